@@ -6,3 +6,66 @@ import torch
 # triton is imported (kernel.py reads it when its kernels are decorated).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Please reason step by step.",
+          "What is 2 + 3? The answer is 5.", "Hello world, hello tinyflow!"] * 20
+
+
+def write_tokenizer(folder):
+    """A small byte-level BPE trained here, with Qwen-style special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    return tok
+
+
+def write_checkpoint(folder, arch: str, **shard):
+    """A tiny random checkpoint saved by transformers itself: the oracle's own format."""
+    import transformers
+    folder.mkdir()
+    tok = write_tokenizer(folder)
+    eos = tok.token_to_id("<|im_end|>")
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2,
+                  eos_token_id=eos, bos_token_id=tok.token_to_id("<|endoftext|>"))
+    if arch == "qwen3":  # tied embeddings, head_dim != hidden / heads, q/k norm
+        cfg = transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen2":  # qkv bias, 1:1 heads
+        cfg = transformers.Qwen2Config(**common, num_key_value_heads=4, tie_word_embeddings=False)
+        cls = transformers.Qwen2ForCausalLM
+    else:  # GQA 4:1 and llama3 rope scaling that bites inside the test's lengths
+        cfg = transformers.LlamaConfig(**common, num_key_value_heads=1, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.generation_config.do_sample = False
+    model.save_pretrained(folder, **shard)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"qwen3": write_checkpoint(root / "qwen3", "qwen3"),
+            "qwen2": write_checkpoint(root / "qwen2", "qwen2"),
+            "llama": write_checkpoint(root / "llama", "llama", max_shard_size="100KB")}

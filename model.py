@@ -1,0 +1,325 @@
+"""The transformer (Qwen3, Qwen2 / R1-Distill-Qwen, Llama / R1-Distill-Llama), its config, and loading
+Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's tensor names
+(`model.layers.3.self_attn.q_proj.weight`), so loading needs no rename table."""
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import jinja2.sandbox
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
+
+from cache import KVCache
+
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # llama3 parameters, or None for plain RoPE
+    tie_embeddings: bool
+    qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3
+    eos_token_id: list
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "Config":
+        kind = c.get("model_type")
+        archs = c.get("architectures") or [SUPPORTED.get(kind, kind)]
+        if kind not in SUPPORTED or archs[0] not in SUPPORTED.values():
+            raise ValueError(f"unsupported model {archs[0]!r} (model_type {kind!r}); tinyflow runs "
+                             f"{', '.join(SUPPORTED.values())}")
+        if c.get("use_sliding_window") or (kind == "mistral" and c.get("sliding_window")):
+            raise ValueError("sliding-window attention is not supported; tinyflow runs full attention")
+        if c.get("mlp_bias"):
+            raise ValueError("MLP biases are not supported (mlp_bias is true in config.json)")
+        # transformers >= 5 writes `rope_parameters`; checkpoints on the Hub have rope_theta + rope_scaling
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope scaling {rope_type!r}; tinyflow supports none and 'llama3'")
+        heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], n_layers=c["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_scaling={k: rope[k] for k in LLAMA3_KEYS} if rope_type == "llama3" else None,
+            tie_embeddings=c.get("tie_word_embeddings", False),
+            qkv_bias=kind == "qwen2" or c.get("attention_bias", False),
+            qk_norm=kind == "qwen3",
+            eos_token_id=[] if eos is None else eos if isinstance(eos, list) else [eos])
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.itemsize
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, cast back before the weight, as the reference implementation does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(cfg: Config, device) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2]; llama3 scaling stretches the low frequencies for long context."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    old_ctx, factor = s["original_max_position_embeddings"], s["factor"]
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_ctx / s["low_freq_factor"], old_ctx / s["high_freq_factor"]
+    # long wavelengths are divided by `factor`, short ones kept, the band between blended smoothly
+    smooth = (old_ctx / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rotate(x, cos, sin):
+    """RoPE in the 'rotate half' layout of HF checkpoints. x: [B, T, H, D]; cos, sin: [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3 normalises each head of q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, cache: KVCache, prefill: bool):
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if prefill:
+            out = cache.prefill(self.layer, q, k, v, positions)  # [B, H_q, T, D]
+        else:
+            out = cache.decode(self.layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], positions[:, 0])[:, :, None]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, positions, cache, prefill):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, prefill)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(cfg, "cpu"), persistent=False)
+
+    def forward(self, tokens, positions, cache: KVCache, prefill=False, last=None):
+        """tokens, positions: [B, T] (position -1 marks padding). Returns logits [B, T, V], or [B, V] at
+        index `last` [B] of each row when given (prefill needs only the last prompt token's logits)."""
+        x = self.model.embed_tokens(tokens)  # [B, T, hidden]
+        freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like HF
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.model.layers:
+            x = block(x, cos, sin, positions, cache, prefill)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        return F.linear(x, head).float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading: a local folder or a Hub id; config, safetensors weights (sharded or not), tokenizer.
+
+HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+
+
+def resolve(name: str) -> str:
+    """A local folder as is; anything else is a Hub id, fetched (or found in the local cache)."""
+    if os.path.isdir(name):
+        return name
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"model path {name!r} does not exist (give a local folder or a Hub id "
+                                f"like Qwen/Qwen3-8B)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    try:
+        return snapshot_download(name, allow_patterns=HUB_FILES)
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(f"{name} is not in the local Hugging Face cache and downloading is off "
+                                f"(HF_HUB_OFFLINE); download it first with `hf download {name}`") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{name} is neither a local folder nor a model on the Hugging Face Hub") from None
+
+
+def read_json(folder: str, name: str, required=True) -> dict:
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        if required:
+            raise FileNotFoundError(f"{path} is missing; is {folder} a Hugging Face model folder?")
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_weights(model: Transformer, folder: str, device, dtype):
+    """Fill every parameter exactly once from the safetensors files, straight to device and dtype."""
+    index = read_json(folder, "model.safetensors.index.json", required=False)
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    params = dict(model.named_parameters())
+    filled = set()
+    for file in files:
+        path = os.path.join(folder, file)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weights file {path} is missing")
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name not in params or name in filled:
+                    raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
+                                     f"parameter (or it appeared twice)")
+                t = f.get_tensor(name)
+                if t.shape != params[name].shape:
+                    raise ValueError(f"weight {name!r} has shape {list(t.shape)}, the config implies "
+                                     f"{list(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(t.to(dtype))
+                filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
+
+
+def load_model(folder: str, device, dtype) -> Transformer:
+    cfg = Config.from_dict(read_json(folder, "config.json"))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = rope_frequencies(cfg, device)  # computed, not stored: rebuild after to_empty
+    load_weights(model, folder, device, dtype)
+    return model.eval().requires_grad_(False)
+
+
+class Tokenizer:
+    """tokenizer.json through `tokenizers`, the model's own chat template through jinja2, EOS ids and
+    sampling defaults from generation_config.json."""
+
+    def __init__(self, folder: str, cfg: Config):
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing; tinyflow needs a fast tokenizer (tokenizer.json)")
+        self.tok = HFTokenizer.from_file(path)
+        tc = read_json(folder, "tokenizer_config.json", required=False)
+        gen = read_json(folder, "generation_config.json", required=False)
+        self.template = self._template(folder, tc)
+        self.special = {k: self._token_text(tc.get(k)) for k in ("bos_token", "eos_token")}
+        eos = gen.get("eos_token_id", cfg.eos_token_id)
+        self.eos_ids = eos if isinstance(eos, list) else [eos]
+        self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
+        if not gen.get("do_sample", False):
+            self.defaults = {"temperature": 0.0}
+
+    @staticmethod
+    def _token_text(t):
+        return t.get("content") if isinstance(t, dict) else t
+
+    @staticmethod
+    def _template(folder, tc):
+        path = os.path.join(folder, "chat_template.jinja")
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+        t = tc.get("chat_template")
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            t = next((x["template"] for x in t if x["name"] == "default"), None)
+        return t
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def chat(self, messages: list[dict], enable_thinking=True) -> list[int]:
+        if self.template is None:
+            raise ValueError("this model has no chat template; pass plain prompts (--no-chat)")
+
+        def fail(msg):
+            raise ValueError(f"chat template: {msg}")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = fail
+        text = env.from_string(self.template).render(
+            messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **self.special)
+        # the template already wrote BOS and friends as text, so no special tokens are added here
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def load(name: str, device, dtype) -> tuple[Transformer, Tokenizer]:
+    folder = resolve(name)
+    model = load_model(folder, device, dtype)
+    return model, Tokenizer(folder, model.cfg)
