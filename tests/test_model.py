@@ -1,0 +1,89 @@
+"""The model against the oracle: tiny random Qwen3, Qwen2 and Llama checkpoints saved by transformers,
+loaded by tinyflow, compared logit by logit and token by token (float32 on CPU).
+
+Tolerance: both sides run the same float32 math in a different order (fused SDPA vs einsum, another
+summation order in the matmuls), so logits agree to rounding, about 1e-5, not bit for bit."""
+import json
+
+import pytest
+import torch
+import transformers
+
+from cache import KVCache
+from generate import Engine
+from model import Config, load
+
+ARCHS = ["qwen3", "qwen2", "llama"]
+ATOL = 2e-5
+
+
+def hf_model(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def ours(folder):
+    model, tok = load(str(folder), torch.device("cpu"), torch.float32)
+    return model, tok
+
+
+def prefill_logits(model, tokens, slots):
+    """All-position logits of a batch of equal-length prompts through our prefill path."""
+    B, T = tokens.shape
+    cache = KVCache(model.cfg, B, slots, "cpu", torch.float32)
+    positions = torch.arange(T).expand(B, T)
+    return model(tokens, positions, cache, prefill=True), cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_transformers(checkpoints, arch):
+    model, _ = ours(checkpoints[arch])
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    logits, _ = prefill_logits(model, tokens, slots=64)
+    expected = hf_model(checkpoints[arch])(tokens).logits
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_decode_step_matches_transformers(checkpoints, arch):
+    """Prefill 10 tokens, then feed 30 more one at a time through the decode path (writing slots)."""
+    model, _ = ours(checkpoints[arch])
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(2))
+    expected = hf_model(checkpoints[arch])(tokens).logits  # [B, T, V]
+    _, cache = prefill_logits(model, tokens[:, :10], slots=48)
+    for t in range(10, 40):
+        positions = torch.full((2, 1), t)
+        logits = model(tokens[:, t:t + 1], positions, cache)
+        torch.testing.assert_close(logits[:, 0], expected[:, t], atol=ATOL, rtol=0, msg=f"step {t}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch_of_different_lengths_matches_transformers_generate(checkpoints, arch):
+    model, tok = ours(checkpoints[arch])
+    hf = hf_model(checkpoints[arch])
+    prompts = [tok.encode(t) for t in ("Hello world", "The quick brown fox jumps over the lazy dog.", "2 + 3")]
+    outs, _ = Engine(model, compile=False).generate(prompts, 24, tok.eos_ids, budget=None)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                          eos_token_id=tok.eos_ids, pad_token_id=0)
+        assert out == ref[0, len(prompt):].tolist()
+
+
+def test_hub_style_config_with_rope_scaling_key_loads_the_same(checkpoints, tmp_path):
+    """Checkpoints on the Hub write rope_theta and rope_scaling; transformers 5 writes rope_parameters."""
+    folder = checkpoints["llama"]
+    c = json.loads((folder / "config.json").read_text())
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope.pop("rope_theta")
+    c["rope_scaling"] = rope
+    assert Config.from_dict(c) == Config.from_dict(json.loads((folder / "config.json").read_text()))
+
+
+def test_chat_template_renders_with_thinking_switch(checkpoints):
+    _, tok = ours(checkpoints["qwen3"])
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert tok.tok.decode(tok.chat(msgs), skip_special_tokens=False) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.tok.decode(tok.chat(msgs, enable_thinking=False), skip_special_tokens=False).endswith(
+        "assistant\n<think>\n\n</think>\n\n")
+    assert tok.eos_ids == [tok.tok.token_to_id("<|im_end|>")]

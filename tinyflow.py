@@ -1,0 +1,52 @@
+"""The public Python API: load a model once, generate many times.
+
+    import tinyflow
+    llm = tinyflow.LLM("Qwen/Qwen3-8B", budget=3200)            # LongFlow, 3,200 KV slots per sequence
+    outs = llm.generate(["What is 17 * 23?"], max_new_tokens=256)
+    print(outs[0].text, llm.stats.line())
+"""
+from dataclasses import dataclass
+
+from cache import check_budget
+from generate import Engine, Sampling, Stats, pick_device
+from model import load
+
+
+@dataclass
+class Output:
+    token_ids: list[int]  # the generated ids only, EOS included if it was produced
+    text: str  # the decoded generated text
+
+
+class LLM:
+    def __init__(self, model: str, budget: int | None = None, policy: str = "longflow",
+                 device=None, dtype=None, compile: bool = True):
+        """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
+        to keep every token. policy: "longflow" (one decision per layer, as in the paper),
+        "longflow-head" (per KV head) or "full"."""
+        check_budget(budget, policy)
+        self.device, self.dtype = pick_device(device, dtype)
+        self.model, self.tokenizer = load(model, self.device, self.dtype)
+        self.budget, self.policy = budget, policy
+        self.engine = Engine(self.model, compile=compile)
+        self.stats: Stats | None = None  # the last call's statistics
+
+    def generate(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None) -> list[Output]:
+        """prompts: a list of strings (tokenized as they are) or of token-id lists."""
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        outs, self.stats = self.engine.generate(ids, max_new_tokens, self.tokenizer.eos_ids, self.budget,
+                                                self.policy, Sampling(temperature, top_k, top_p), seed)
+        return [Output(o, self.tokenizer.decode(o)) for o in outs]
+
+    def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
+        """conversations: a list of conversations, each a list of {"role", "content"} messages (one
+        conversation alone is accepted too). Rendered with the model's own chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.tokenizer.chat(c, enable_thinking) for c in conversations]
+        return self.generate(ids, **kwargs)
