@@ -293,8 +293,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Generate text with LongFlow KV-cache compression.")
+    p = Parser(prog="generate.py", description="Generate text with LongFlow KV-cache compression.")
     p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face id or local folder")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")

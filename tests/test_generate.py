@@ -1,0 +1,188 @@
+"""The generation loop, the compiled step, the public API and the command line, on tiny checkpoints."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import generate
+import tinyflow
+from generate import Engine, Sampling, check_memory, sample
+from model import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(capsys, *argv):
+    """Run the command line in-process; return (exit code, stdout, stderr)."""
+    try:
+        generate.main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compiled_step_never_recompiles_and_matches_eager(checkpoints):
+    model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
+    # budget 36 < prompt + 40 new tokens: the LongFlow eviction path runs inside the compiled step
+    eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget=36)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        engine = Engine(model, compile=True)
+        compiled, _ = engine.generate(prompts, 40, [], budget=36)
+        again, _ = engine.generate(prompts, 40, [], budget=36)  # reuses the compiled step and the cache
+    assert compiled == eager == again
+    assert all(len(o) == 40 for o in compiled)
+
+
+def test_sampling_is_reproducible_per_seed_and_respects_top_k():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    seeds, positions = torch.tensor([1, 2, 3]), torch.tensor([7, 7, 7])
+    a = sample(logits, seeds, positions, temperature=1.0, top_k=0, top_p=1.0)
+    assert torch.equal(a, sample(logits, seeds, positions, 1.0, 0, 1.0))
+    draws = torch.stack([sample(logits, seeds, positions + i, 1.0, 3, 1.0) for i in range(200)])  # [200, 3]
+    top3 = logits.topk(3).indices  # [3, 3]
+    assert all(set(draws[:, b].tolist()) == set(top3[b].tolist()) for b in range(3))
+    assert torch.equal(sample(logits, seeds, positions, 0.0, 0, 1.0), logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    """The exponential-race draw matches softmax probabilities (4,000 draws: 3-sigma is about 0.02)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    draws = torch.stack([sample(logits, torch.tensor([5]), torch.tensor([i]), 1.0, 0, 1.0) for i in range(4000)])
+    freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
+    assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.025)
+
+
+def test_top_p_keeps_the_smallest_set_covering_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    draws = {sample(logits, torch.tensor([0]), torch.tensor([i]), 1.0, 0, 0.7).item() for i in range(300)}
+    assert draws == {0, 1}
+
+
+def test_api_generates_text_and_stops_at_eos(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), compile=False)
+    outs = llm.generate(["Hello world", [5, 6, 7]], max_new_tokens=12, temperature=0.8, seed=3)
+    assert len(outs) == 2
+    for o in outs:
+        assert 1 <= len(o.token_ids) <= 12
+        assert o.text == llm.tokenizer.decode(o.token_ids)
+        eos = [i for i, t in enumerate(o.token_ids) if t in llm.tokenizer.eos_ids]
+        assert eos in ([], [len(o.token_ids) - 1])  # EOS only ever last
+    assert outs == llm.generate(["Hello world", [5, 6, 7]], max_new_tokens=12, temperature=0.8, seed=3)
+    chat = llm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=4)
+    assert len(chat) == 1 and llm.stats.prompt_tokens > 0
+
+
+def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
+    with pytest.raises(ValueError, match="positive integer"):
+        tinyflow.LLM(str(checkpoints["qwen2"]), budget=0)
+    with pytest.raises(ValueError, match="unknown policy"):
+        tinyflow.LLM(str(checkpoints["qwen2"]), budget=64, policy="nope")
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), compile=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        llm.generate(["Hi"], max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([""])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 99999]])
+    with pytest.raises(TypeError, match="list"):
+        llm.generate("Hi")
+
+
+def test_memory_check_names_needed_and_free_bytes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 2**34))
+    with pytest.raises(ValueError, match=r"need 3.00 GiB but only 1.00 GiB"):
+        check_memory(3 * 2**30, torch.device("cuda"))
+    check_memory(2**29, torch.device("cuda"))
+
+
+def test_command_line_end_to_end(checkpoints):
+    """A real process: streams text and prints the stats line."""
+    r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["llama"], "--prompt", "Hello",
+                        "--max-new-tokens", "8", "--budget", "40", "--device", "cpu", "--no-compile"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "generated" in r.stdout and "KV cache 40 slots/seq" in r.stdout
+
+
+def test_command_line_batch_prints_every_sequence(checkpoints, capsys):
+    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--batch-size", "3",
+                       "--max-new-tokens", "4", "--temperature", "1.0", "--no-compile")
+    assert code == 0 and out.count("--- sequence") == 3
+
+
+def broken_checkpoint(checkpoints, tmp_path, edit_config=None, edit_weights=None):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["qwen2"], folder)
+    if edit_config:
+        c = json.loads((folder / "config.json").read_text())
+        edit_config(c)
+        (folder / "config.json").write_text(json.dumps(c))
+    if edit_weights:
+        w = load_file(folder / "model.safetensors")
+        edit_weights(w)
+        save_file(w, folder / "model.safetensors")
+    return folder
+
+
+def set_moe(c):
+    c.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+
+
+def set_yarn(c):
+    c["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("config, weights, message", [
+    (set_moe, None, "unsupported model 'Qwen3MoeForCausalLM'"),
+    (set_yarn, None, "unsupported rope scaling 'yarn'"),
+    (None, lambda w: w.pop("model.norm.weight"), "missing 1 weight.*model.norm.weight"),
+    (None, lambda w: w.update(extra=torch.zeros(2)), "unexpected weight 'extra'"),
+    (None, lambda w: w.update({"model.norm.weight": torch.zeros(3)}), "'model.norm.weight' has shape \\[3\\]"),
+])
+def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config, weights, message):
+    folder = broken_checkpoint(checkpoints, tmp_path, config, weights)
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")
+    assert code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/folder"], "does not exist"),
+    (["--budget", "0"], "positive integer"),
+    (["--budget", "1.5"], "positive integer"),
+    (["--budget", "8"], "too small"),
+    (["--policy", "magic"], "unknown policy"),
+    (["--max-new-tokens", "0"], "positive integer"),
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file"),
+    (["--top-p", "0"], "top-p"),
+])
+def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, message):
+    prompt = [] if {"--prompt", "--prompt-file"} & set(args) else ["--prompt", "Hi"]
+    argv = ["--model", checkpoints["qwen2"], "--no-compile"] + prompt + args
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and message in err and err.startswith("error:") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_refused(checkpoints, capsys):
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--device", "cuda", "--prompt", "Hi")
+    assert code == 2 and "CUDA" in err and "not available" in err and err.count("\n") == 1
+
+
+def test_hub_id_not_in_cache_while_offline_says_how_to_download(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "generate.py", "--model", "nobody/not-a-model", "--prompt", "Hi"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "not in the local Hugging Face cache" in r.stderr and "hf download nobody/not-a-model" in r.stderr
