@@ -1,0 +1,120 @@
+"""The static budget: slots never grow, one eviction per step and layer once full, SnapKV prompt
+compression, and equality with the full cache when the budget holds everything."""
+import pytest
+import torch
+
+from cache import SNAPKV_WINDOW, KVCache, check_budget, snapkv_keep
+from generate import Engine
+from model import load
+
+
+@pytest.fixture(scope="module")
+def qwen3(checkpoints):
+    return load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+
+
+def prompts_of(tok):
+    return [tok.encode("The quick brown fox jumps over the lazy dog."), tok.encode("Hello"),
+            tok.encode("What is 2 + 3? Please reason step by step.")]
+
+
+@pytest.mark.parametrize("policy", ["longflow", "longflow-head"])
+def test_budget_that_holds_everything_generates_exactly_the_full_cache_tokens(qwen3, policy):
+    model, tok = qwen3
+    engine = Engine(model, compile=False)
+    full, _ = engine.generate(prompts_of(tok), 30, [], budget=None)
+    roomy, _ = engine.generate(prompts_of(tok), 30, [], budget=64, policy=policy)
+    assert roomy == full
+
+
+def run_steps(model, cache, tokens, steps):
+    """Prefill right-padded prompts, then feed `steps` greedy tokens; yield the cache after each step."""
+    B = len(tokens)
+    T = max(map(len, tokens))
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    pos = torch.full((B, T), -1)
+    for i, t in enumerate(tokens):
+        ids[i, :len(t)], pos[i, :len(t)] = torch.tensor(t), torch.arange(len(t))
+    lengths = (pos >= 0).sum(1)
+    nxt = model(ids, pos, cache, prefill=True, last=lengths - 1).argmax(-1)
+    for _ in range(steps):
+        nxt = model(nxt[:, None], lengths[:, None], cache)[:, 0].argmax(-1)
+        lengths = lengths + 1
+        yield cache
+
+
+@pytest.mark.parametrize("policy", ["longflow", "longflow-head"])
+def test_small_budget_keeps_slot_count_and_evicts_one_token_per_step_and_layer(qwen3, policy):
+    model, tok = qwen3
+    cache = KVCache(model.cfg, 3, 40, "cpu", torch.float32, policy)
+    k_ptr = cache.k.data_ptr()
+    before = None
+    evictions = 0
+    for c in run_steps(model, cache, prompts_of(tok), 60):
+        assert c.k.shape[3] == 40 and c.k.data_ptr() == k_ptr  # never grows, never reallocates
+        held = [[[set(c.pos[l, b, h][c.pos[l, b, h] >= 0].tolist()) for h in range(c.pos.shape[2])]
+                 for b in range(3)] for l in range(c.pos.shape[0])]
+        if before is not None:
+            for l, rows in enumerate(held):
+                for b, heads in enumerate(rows):
+                    for h, now in enumerate(heads):
+                        gone, new = before[l][b][h] - now, now - before[l][b][h]
+                        assert len(new) == 1  # the new token always gets a slot
+                        if len(before[l][b][h]) == 40:  # full: exactly one token leaves
+                            assert len(gone) == 1 and len(now) == 40
+                            evictions += 1
+                        else:  # not yet full: the lowest empty slot fills, nothing leaves
+                            assert not gone
+        before = held
+    assert evictions > 0
+    if policy == "longflow":  # one decision per layer: every KV head holds the same tokens
+        assert (cache.pos == cache.pos[:, :, :1]).all()
+
+
+def test_small_budget_greedy_output_is_identical_across_runs(qwen3):
+    model, tok = qwen3
+    runs = [Engine(model, compile=False).generate(prompts_of(tok), 50, [], budget=36)[0] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_long_prompt_is_compressed_to_budget_minus_one_keeping_the_last_32(qwen3, per_head):
+    model, _ = qwen3
+    budget = 50
+    cache = KVCache(model.cfg, 2, budget, "cpu", torch.float32, "longflow-head" if per_head else "longflow")
+    long, short = list(torch.randint(0, 300, (120,)).tolist()), [5, 6, 7]
+    next(run_steps(model, cache, [long, short], 1))
+    # after prefill + one step: row 0 held budget - 1 prompt tokens and then took the new token
+    for l in range(cache.pos.shape[0]):
+        for h in range(cache.pos.shape[2]):
+            held = cache.pos[l, 0, h].tolist()
+            assert len([p for p in held if p >= 0]) == budget
+            assert set(range(120 - SNAPKV_WINDOW, 121)) <= set(held)  # the window and the new token
+            assert sorted(p for p in cache.pos[l, 1, h].tolist() if p >= 0) == [0, 1, 2, 3]  # short row kept
+
+
+def test_snapkv_keeps_the_centre_of_what_the_window_attends_to():
+    """Every window query attends strongly to tokens 10..14. Pooling over 5 neighbours ranks the centre
+    12 first (5 of 5 strong neighbours), then 11 and 13 (4 of 5): those three stay, with the window."""
+    T, D = 60, 8
+    torch.manual_seed(0)
+    k = torch.randn(1, 1, T, D) * 0.1
+    q = torch.zeros(1, 2, T, D)
+    q[..., 0] = 10.0
+    k[0, 0, 10:15, 0] = 5.0  # large q.k for every window query
+    positions = torch.arange(T)[None]
+    keep = snapkv_keep(q, k, positions, SNAPKV_WINDOW + 3, per_head=False)  # [1, 1, 35]
+    assert keep[0, 0].tolist() == [11, 12, 13] + list(range(T - SNAPKV_WINDOW, T))
+
+
+def test_budget_validation_names_the_problem():
+    check_budget(None, "longflow")
+    check_budget(33, "longflow")
+    with pytest.raises(ValueError, match="too small"):
+        check_budget(32, "longflow")
+    with pytest.raises(ValueError, match="too small"):
+        check_budget(40, "longflow", n_sink=20, window=20)
+    with pytest.raises(ValueError, match="positive integer"):
+        check_budget(3.5, "longflow")
+    with pytest.raises(ValueError, match="unknown policy"):
+        check_budget(100, "h3o")
