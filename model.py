@@ -254,14 +254,28 @@ def load_weights(model: Transformer, folder: str, device, dtype):
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
 
 
-def load_model(folder: str, device, dtype) -> Transformer:
-    cfg = Config.from_dict(read_json(folder, "config.json"))
+def empty_model(cfg: Config, device, dtype) -> Transformer:
+    """The model with uninitialised weights on `device`, allocated once (no CPU copy on the way)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_frequencies(cfg, device)  # computed, not stored: rebuild after to_empty
-    load_weights(model, folder, device, dtype)
     return model.eval().requires_grad_(False)
+
+
+def load_model(folder: str, device, dtype) -> Transformer:
+    model = empty_model(Config.from_dict(read_json(folder, "config.json")), device, dtype)
+    load_weights(model, folder, device, dtype)
+    return model
+
+
+def random_model(cfg: Config, device, dtype, seed: int = 0) -> Transformer:
+    """Random weights of a real shape, for benchmarks where no checkpoint can be downloaded."""
+    model = empty_model(cfg, device, dtype)
+    gen = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=gen)
+    return model
 
 
 class Tokenizer:

@@ -186,3 +186,16 @@ def test_hub_id_not_in_cache_while_offline_says_how_to_download(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "not in the local Hugging Face cache" in r.stderr and "hf download nobody/not-a-model" in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy, budget", [("full", None), ("longflow", 36), ("longflow-head", 36)])
+def test_cuda_graph_replay_matches_eager_and_never_recompiles(checkpoints, policy, budget):
+    """On the GPU: the compiled step, replayed as a CUDA graph, against the same step run eagerly."""
+    model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.float32)
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
+    eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget, policy)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        graphed, _ = Engine(model, compile=True).generate(prompts, 40, [], budget, policy)
+    assert graphed == eager
