@@ -169,7 +169,7 @@ class Engine:
 
     def __init__(self, model: Transformer, compile=True, sync_every=16):
         self.model, self.compile, self.sync_every = model, compile, sync_every
-        self._stepper = None
+        self.key = self.stepper = self.cache = self.state = None  # of the last batch shape
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  budget: int | None = None, policy: str = "longflow", sampling: Sampling = Sampling(),
@@ -203,11 +203,10 @@ class Engine:
     def _prepare(self, batch, slots, max_new, policy, sampling, device, dtype, needed_bytes):
         """Reuse the cache, buffers and captured graph when the shape and settings repeat."""
         key = (batch, slots, max_new, policy, sampling)
-        if self._stepper is not None and self._stepper[0] == key:
-            _, stepper, cache, state = self._stepper
-            cache.reset()
-            return stepper, cache, state
-        self._stepper = None  # free the previous cache before measuring what is free
+        if self.key == key:
+            self.cache.reset()
+            return self.stepper, self.cache, self.state
+        self.key = self.stepper = self.cache = self.state = None  # free the old cache, then measure
         if device.type == "cuda":
             torch.cuda.empty_cache()
         check_memory(needed_bytes, device)
@@ -215,7 +214,7 @@ class Engine:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)
         state = State(z(batch), z(batch), z(batch), z(batch, max_new), z(1))
         stepper = Stepper(self.model, cache, state, sampling, self.compile)
-        self._stepper = (key, stepper, cache, state)
+        self.key, self.stepper, self.cache, self.state = key, stepper, cache, state
         return stepper, cache, state
 
     def _decode_loop(self, stepper, state, max_new, eos, on_tokens):

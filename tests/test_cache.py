@@ -118,3 +118,17 @@ def test_budget_validation_names_the_problem():
         check_budget(3.5, "longflow")
     with pytest.raises(ValueError, match="unknown policy"):
         check_budget(100, "h3o")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_long_bf16_run_on_the_gpu_keeps_the_budget_and_stays_finite(checkpoints):
+    """3,000 graph-replayed steps through the Triton kernel with a 64-slot budget."""
+    model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.bfloat16)
+    engine = Engine(model)
+    outs, _ = engine.generate([tok.encode("Hello world"), tok.encode("The quick brown fox")], 3000, [],
+                              budget=64)
+    assert [len(o) for o in outs] == [3000, 3000]
+    assert ((engine.cache.pos >= 0).sum(-1) == 64).all()
+    assert torch.isfinite(engine.cache.k).all() and torch.isfinite(engine.cache.v).all()
+    held = engine.cache.pos[:, 0, 0]  # [L, S]: after 3,000 steps the newest token is always held
+    assert (held.max(-1).values == len(tok.encode("Hello world")) + 3000 - 2).all()
