@@ -68,29 +68,31 @@ class KVCache:
         select = self.policy != "full"
         out, evict = attend(q, self.k[layer], self.v[layer], self.pos[layer], per_head=self.per_head,
                             n_sink=self.n_sink, window=self.window, select=select)
-        # a full cache is sized to hold every token, so its slots just fill in order
-        self.next_slot[layer].copy_(evict if select else slot + 1)
+        # a full cache is sized to hold every token, so its slots just fill in order (a finished
+        # sequence that keeps stepping until its row is reused just rewrites its last slot)
+        self.next_slot[layer].copy_(evict if select else (slot + 1).clamp(max=self.slots - 1))
         return out
 
     # ---- prefill: a batch of (right-padded) prompts ------------------------------------------------
-    def prefill(self, layer: int, q, k, v, positions):
-        """q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]; positions: [B, T], -1 for padding after each prompt.
-        Causal attention over the prompt, then its K/V into the slots, compressed if it does not fit."""
+    def prefill(self, layer: int, q, k, v, positions, rows):
+        """q: [R, H_q, T, D]; k, v: [R, H_kv, T, D]; positions: [R, T], -1 for padding after each prompt;
+        rows: [R] the cache rows these prompts go to (the other rows are left as they are). Causal
+        attention over the prompts, then their K/V into the slots, compressed if they do not fit."""
         out = prefill_attention(q, k, v, positions)
-        B, H, T, D = k.shape
+        R, H, T, D = k.shape
         S = self.slots
-        if T < S:  # fits with room for the first new token: slots 0..T-1, in prompt order
-            self.k[layer, :, :, :T] = k
-            self.v[layer, :, :, :T] = v
-            self.pos[layer, :, :, :T] = positions.int()[:, None].expand(B, H, T)
-        else:  # keep S - 1 tokens per row; the last slot stays empty for the first new token
-            keep = snapkv_keep(q, k, positions, S - 1, self.per_head)  # [B, H_kv, S-1], into T
-            at = keep[..., None].expand(B, H, S - 1, D)
-            self.k[layer, :, :, :S - 1] = k.gather(2, at)
-            self.v[layer, :, :, :S - 1] = v.gather(2, at)
-            self.pos[layer, :, :, :S - 1] = positions[:, None].expand(B, H, T).gather(2, keep).int()
-        lengths = (positions >= 0).sum(1)  # [B]
-        self.next_slot[layer] = lengths.clamp(max=S - 1)[:, None].expand(B, H)
+        if T >= S:  # keep S - 1 tokens per row; the last slot stays empty for the first new token
+            keep = snapkv_keep(q, k, positions, S - 1, self.per_head)  # [R, H_kv, S-1], into T
+            at = keep[..., None].expand(R, H, S - 1, D)
+            k, v = k.gather(2, at), v.gather(2, at)
+            positions = positions[:, None].expand(R, H, T).gather(2, keep)  # [R, H_kv, S-1]
+            T = S - 1
+        self.pos[layer, rows] = -1  # a reused row forgets its previous sequence
+        self.k[layer, rows, :, :T] = k
+        self.v[layer, rows, :, :T] = v
+        self.pos[layer, rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
+        # prompts are right-padded, so the lowest empty slot is just past the tokens kept
+        self.next_slot[layer, rows] = (self.pos[layer, rows] >= 0).sum(-1)
         return out
 
 

@@ -11,6 +11,7 @@ import argparse
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -66,20 +67,28 @@ class Sampling:
 
 
 # ---- the decode step ---------------------------------------------------------------------------------
+RING = 64  # the output history is a ring of 64 steps; the host reads it every sync_every (< 64) steps
+
+
 @dataclass
 class State:
     """Everything the decode step reads and advances, in static device buffers (CUDA-graph safe)."""
     tokens: torch.Tensor  # [B] the last token of each sequence, not yet in the cache
     positions: torch.Tensor  # [B] its position
-    seeds: torch.Tensor  # [B]
-    history: torch.Tensor  # [B, max_new] generated tokens
-    count: torch.Tensor  # [1] how many tokens of history are written
+    seeds: torch.Tensor  # [B] the sampling seed of the sequence in each row
+    history: torch.Tensor  # [B, RING] the tokens of the last RING steps
+    count: torch.Tensor  # [1] steps taken
+
+    @classmethod
+    def empty(cls, batch: int, device):
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)
+        return cls(z(batch), z(batch), z(batch), z(batch, RING), z(1))
 
 
 def decode_step(model: Transformer, cache: KVCache, state: State, s: Sampling):
     logits = model(state.tokens[:, None], state.positions[:, None], cache)[:, 0]  # [B, V]
     nxt = sample(logits, state.seeds, state.positions + 1, s.temperature, s.top_k, s.top_p)  # [B]
-    state.history.index_copy_(1, state.count, nxt[:, None])
+    state.history.index_copy_(1, state.count % RING, nxt[:, None])
     state.tokens.copy_(nxt)
     state.positions.add_(1)
     state.count.add_(1)
@@ -115,145 +124,193 @@ class Stepper:
             self.fn(*self.args)
 
 
+# ---- memory: what fits ----------------------------------------------------------------------------------
+PREFILL_TOKENS = 16384  # prompts are prefilled in groups of about this many (padded) tokens
+SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fragmentation
+
+
+def bytes_per_row(cfg, slots: int, dtype) -> int:
+    """GPU memory one more sequence costs: its KV slots and its share of the decode step's logits,
+    probabilities, noise and sort buffers (fp32/int64 over the vocabulary)."""
+    return KVCache.bytes_needed(cfg, 1, slots, dtype) + 24 * cfg.vocab_size
+
+
+def prefill_bytes(cfg, tokens: int, dtype) -> int:
+    """Transient memory of prefilling `tokens` (padded) prompt tokens: activations, the MLP, one layer's
+    K/V expanded to every query head and the SnapKV window's attention (fp32)."""
+    per_token = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + 6 * cfg.n_heads * cfg.head_dim
+    return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads)
+
+
+def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype) -> int:
+    """The most sequences whose cache and decode buffers fit in `free` bytes, after prefill's needs."""
+    fixed = prefill_bytes(cfg, max(PREFILL_TOKENS, longest_prompt), dtype) + SPARE
+    return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype))
+
+
 # ---- the generation loop ------------------------------------------------------------------------------
 @dataclass
 class Stats:
     prompt_tokens: int
     generated_tokens: int
+    batch: int  # sequences decoded together
     setup_s: float  # compiling the step and capturing its graph (0 when reused)
     prefill_s: float
     decode_s: float
     slots: int  # KV slots per sequence and layer
     kv_bytes: int
-    full_kv_bytes: int  # what a cache holding every token would need at the final length
+    full_kv_bytes: int  # what a cache holding every token of every sequence would need at the end
 
     def line(self) -> str:
         rate = self.generated_tokens / max(self.prefill_s + self.decode_s, 1e-9)
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok in "
-                f"{self.prefill_s + self.decode_s:.2f} s ({rate:.1f} tok/s; prefill {self.prefill_s:.2f} s, "
-                f"compile {self.setup_s:.1f} s); KV cache {self.slots} slots/seq, "
+                f"{self.prefill_s + self.decode_s:.2f} s ({rate:.1f} tok/s, batch {self.batch}; prefill "
+                f"{self.prefill_s:.2f} s, compile {self.setup_s:.1f} s); KV cache {self.slots} slots/seq, "
                 f"{self.kv_bytes / 2**20:.1f} MiB (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)")
 
 
-def check_memory(needed: int, device):
-    """Refuse, before allocating, a cache (and prefill working memory) that cannot fit in free GPU memory."""
-    if device.type != "cuda":
-        return
-    free, _ = torch.cuda.mem_get_info(device)
-    if needed > free:
-        raise ValueError(f"the KV cache and prefill need {needed / 2**30:.2f} GiB but only "
-                         f"{free / 2**30:.2f} GiB of GPU memory is free; lower the batch size, "
-                         f"--max-new-tokens or --budget")
-
-
-def prefill(model, cache, prompts: list[list[int]], state: State, s: Sampling):
-    """Run the right-padded prompts through the model into the cache; sample each first new token."""
-    device = state.tokens.device
-    T = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), T, dtype=torch.int64)
-    positions = torch.full((len(prompts), T), -1, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = torch.tensor(p)
-        positions[i, :len(p)] = torch.arange(len(p))
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    logits = model(tokens.to(device), positions.to(device), cache, prefill=True, last=lengths - 1)
-    first = sample(logits, state.seeds, lengths, s.temperature, s.top_k, s.top_p)
-    state.tokens.copy_(first)
-    state.positions.copy_(lengths)
-    state.history[:, 0] = first
-    state.count.fill_(1)
-
-
 class Engine:
-    """Owns the model and, per batch shape, the cache, the state buffers and the compiled step."""
+    """Owns the model and, per batch shape, the cache, the state buffers and the compiled step.
+
+    More prompts than rows are served as rows free up: when a sequence ends (EOS or max_new_tokens,
+    seen at the next sync), the next waiting prompt is prefilled into its row of the cache and
+    decoding goes on; the captured step never notices."""
 
     def __init__(self, model: Transformer, compile=True, sync_every=16):
+        assert 0 < sync_every < RING
         self.model, self.compile, self.sync_every = model, compile, sync_every
         self.key = self.stepper = self.cache = self.state = None  # of the last batch shape
+        self.device = model.model.embed_tokens.weight.device
+        self.dtype = model.model.embed_tokens.weight.dtype
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  budget: int | None = None, policy: str = "longflow", sampling: Sampling = Sampling(),
-                 seed: int | None = None, on_tokens=None) -> tuple[list[list[int]], Stats]:
-        """Generate for a batch of token-id prompts; returns the new ids of each (EOS included when
-        produced) and the run's statistics. on_tokens(row0_new_ids) streams the first sequence."""
-        check_request(prompts, max_new_tokens, budget, policy)
+                 seed: int | None = None, batch_size: int | None = None,
+                 on_tokens=None) -> tuple[list[list[int]], Stats]:
+        """Generate for token-id prompts; returns the new ids of each (EOS included when produced)
+        and the run's statistics. batch_size: rows decoded together (default: all prompts, or as
+        many as fit). on_tokens(new_ids) streams the first prompt's output."""
+        check_request(prompts, max_new_tokens, budget, policy, self.model.cfg.vocab_size)
+        longest = max(map(len, prompts))
         if budget is None or policy == "full":
-            policy, budget = "full", max(map(len, prompts)) + max_new_tokens
-        cfg, device = self.model.cfg, self.model.model.embed_tokens.weight.device
-        dtype = self.model.model.embed_tokens.weight.dtype
-        if max(max(p) for p in prompts) >= cfg.vocab_size or min(min(p) for p in prompts) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}) for this model")
-        cache_bytes = KVCache.bytes_needed(cfg, len(prompts), budget, dtype)
-        work_bytes = prefill_work_bytes(cfg, prompts, dtype)
-        t0 = sync_time(device)
-        stepper, cache, state = self._prepare(len(prompts), budget, max_new_tokens, policy, sampling,
-                                              device, dtype, cache_bytes + work_bytes)
+            policy, budget = "full", longest + max_new_tokens
+        batch = self._batch_size(batch_size, len(prompts), budget, longest)
+        t0 = sync_time(self.device)
+        self._prepare(batch, budget, policy, sampling)
+        t1 = sync_time(self.device)
         seed = random.randrange(2**31) if seed is None else seed
-        state.seeds.copy_(torch.arange(len(prompts)) + seed)
-        t1 = sync_time(device)
-        prefill(self.model, cache, prompts, state, sampling)
-        t2 = sync_time(device)
-        outs = self._decode_loop(stepper, state, max_new_tokens, set(eos_ids), on_tokens)
-        t3 = sync_time(device)
-        final_len = max(len(p) + len(o) for p, o in zip(prompts, outs))
-        stats = Stats(sum(map(len, prompts)), sum(map(len, outs)), t1 - t0, t2 - t1, t3 - t2, budget,
-                      cache_bytes, cfg.kv_bytes_per_token(dtype) * final_len * len(prompts))
+        outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
+        t2 = sync_time(self.device)
+        cfg = self.model.cfg
+        full = sum(len(p) + len(o) for p, o in zip(prompts, outs)) * cfg.kv_bytes_per_token(self.dtype)
+        stats = Stats(sum(map(len, prompts)), sum(map(len, outs)), batch, t1 - t0, prefill_s,
+                      t2 - t1 - prefill_s, budget, KVCache.bytes_needed(cfg, batch, budget, self.dtype), full)
         return outs, stats
 
-    def _prepare(self, batch, slots, max_new, policy, sampling, device, dtype, needed_bytes):
+    def free_bytes(self) -> int:
+        """Free GPU memory, counting the current cache, which is given back before a new one is made."""
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if self.cache is not None:
+            free += KVCache.bytes_needed(self.model.cfg, self.state.tokens.shape[0], self.cache.slots, self.dtype)
+        return free
+
+    def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int) -> int:
+        """Check an asked batch size against free GPU memory (before allocating), or pick one."""
+        batch = min(asked or n_prompts, n_prompts)
+        if self.device.type != "cuda":
+            return batch
+        free = self.free_bytes()
+        fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype)
+        if asked is None and fits > 0:
+            return min(batch, fits)
+        if batch > fits:
+            need = (batch * bytes_per_row(self.model.cfg, slots, self.dtype) + SPARE
+                    + prefill_bytes(self.model.cfg, max(PREFILL_TOKENS, longest), self.dtype))
+            raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.2f} GiB of GPU "
+                             f"memory but {free / 2**30:.2f} GiB is free ({fits} would fit); lower the "
+                             f"batch size, --max-new-tokens or --budget")
+        return batch
+
+    def _prepare(self, batch, slots, policy, sampling):
         """Reuse the cache, buffers and captured graph when the shape and settings repeat."""
-        key = (batch, slots, max_new, policy, sampling)
+        key = (batch, slots, policy, sampling)
         if self.key == key:
             self.cache.reset()
-            return self.stepper, self.cache, self.state
-        self.key = self.stepper = self.cache = self.state = None  # free the old cache, then measure
-        if device.type == "cuda":
+            return
+        self.key = self.stepper = self.cache = self.state = None  # free the old cache first
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        check_memory(needed_bytes, device)
-        cache = KVCache(self.model.cfg, batch, slots, device, dtype, policy)
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)
-        state = State(z(batch), z(batch), z(batch), z(batch, max_new), z(1))
-        stepper = Stepper(self.model, cache, state, sampling, self.compile)
-        self.key, self.stepper, self.cache, self.state = key, stepper, cache, state
-        return stepper, cache, state
+        self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy)
+        self.state = State.empty(batch, self.device)
+        self.stepper = Stepper(self.model, self.cache, self.state, sampling, self.compile)
+        self.key = key
 
-    def _decode_loop(self, stepper, state, max_new, eos, on_tokens):
-        B = state.tokens.shape[0]
-        outs, done = [[] for _ in range(B)], [False] * B
-        seen, written = 0, 1  # prefill wrote the first token
+    def _run(self, prompts, max_new, eos, seed, sampling, on_tokens):
+        """Decode until every prompt is done, refilling rows as they free up. Returns (outputs, prefill s)."""
+        B = self.state.tokens.shape[0]
+        self.state.count.zero_()
+        outs = [[] for _ in prompts]
+        serving = [None] * B  # the prompt each row decodes for
+        waiting = deque(range(len(prompts)))
+        done = lambda p: bool(outs[p]) and (outs[p][-1] in eos or len(outs[p]) == max_new)
+        prefill_s, steps_read = 0.0, 0
         while True:
-            new = state.history[:, seen:written].tolist()  # the host sync, once every sync_every steps
-            seen = written
-            for b in range(B):
-                for t in new[b] if not done[b] else ():
-                    outs[b].append(t)
-                    if t in eos:
-                        break
-                done[b] = bool(outs[b]) and outs[b][-1] in eos or len(outs[b]) == max_new
+            while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
+                rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
+                taken = [waiting.popleft() for _ in rows]
+                t = sync_time(self.device)
+                for b, p, first in zip(rows, taken, self._admit(rows, prompts, taken, seed, sampling)):
+                    outs[p].append(first)
+                    serving[b] = None if done(p) else p
+                prefill_s += sync_time(self.device) - t
             if on_tokens:
                 on_tokens(outs[0])
-            if all(done):
-                return outs
-            n = min(self.sync_every, max_new - written)
-            for _ in range(n):
-                stepper()
-            written += n
+            if all(p is None for p in serving):
+                return outs, prefill_s
+            for _ in range(self.sync_every):
+                self.stepper()
+            ring = torch.arange(steps_read, steps_read + self.sync_every, device=self.device) % RING
+            new = self.state.history[:, ring].tolist()  # the one host sync every sync_every steps
+            steps_read += self.sync_every
+            for b, p in enumerate(serving):
+                for t in new[b] if p is not None else ():
+                    if not done(p):
+                        outs[p].append(t)
+                if p is not None and done(p):
+                    serving[b] = None
+
+    def _admit(self, rows: list[int], prompts, taken: list[int], seed: int, s: Sampling) -> list[int]:
+        """Prefill prompts `taken` into cache `rows`, set those rows' decode state, and return each
+        prompt's first generated token. Groups of about PREFILL_TOKENS padded tokens at a time."""
+        firsts = []
+        while rows:
+            n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
+            group, rows, batch, taken = rows[:n], rows[n:], taken[:n], taken[n:]
+            T = max(len(prompts[p]) for p in batch)
+            tokens = torch.zeros(len(batch), T, dtype=torch.int64)
+            positions = torch.full((len(batch), T), -1, dtype=torch.int64)
+            for i, p in enumerate(batch):
+                tokens[i, :len(prompts[p])] = torch.tensor(prompts[p])
+                positions[i, :len(prompts[p])] = torch.arange(len(prompts[p]))
+            r = torch.tensor(group, device=self.device)
+            lengths = torch.tensor([len(prompts[p]) for p in batch], device=self.device)
+            seeds = torch.tensor(batch, device=self.device) + seed  # a prompt's seed, whatever its row
+            logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, rows=r,
+                                last=lengths - 1)
+            first = sample(logits, seeds, lengths, s.temperature, s.top_k, s.top_p)
+            self.state.tokens[r], self.state.positions[r], self.state.seeds[r] = first, lengths, seeds
+            firsts += first.tolist()
+        return firsts
 
 
-def check_request(prompts, max_new_tokens, budget, policy):
+def check_request(prompts, max_new_tokens, budget, policy, vocab_size: int):
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one token of prompt text")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if max(map(max, prompts)) >= vocab_size or min(map(min, prompts)) < 0:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab_size}) for this model")
     check_budget(budget, policy)
-
-
-def prefill_work_bytes(cfg, prompts, dtype) -> int:
-    """A rough bound on prefill's transient memory: activations and MLP of the whole batch, one layer's
-    K/V expanded to all query heads, and logits."""
-    tokens = len(prompts) * max(map(len, prompts))
-    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 4 * cfg.n_heads * cfg.head_dim)
-    return tokens * per_token * dtype.itemsize + len(prompts) * cfg.vocab_size * 4
 
 
 def sync_time(device) -> float:
@@ -282,6 +339,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 # ---- the command line ---------------------------------------------------------------------------------
+def batch_size(text: str):
+    return text if text == "max" else positive_int(text)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -314,7 +375,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences generated together")
+    p.add_argument("--batch-size", type=batch_size, default=1,
+                   help="sequences generated together, or 'max': as many as fit in GPU memory")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=None)
@@ -350,6 +412,7 @@ def run(args):
     chat = tok.template is not None if args.chat is None else args.chat
     ids = tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
     engine = Engine(model, compile=not args.no_compile)
+    batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
     printed = []
 
     def stream(new_ids):  # print the text decoded so far, past what is already on screen
@@ -357,13 +420,24 @@ def run(args):
         print(out[len(printed[0]) if printed else 0:], end="", flush=True)
         printed[:] = [out]
 
-    outs, stats = engine.generate([ids] * args.batch_size, args.max_new_tokens, tok.eos_ids, args.budget,
-                                  args.policy, sampling_from(args, tok.defaults), args.seed,
-                                  stream if args.batch_size == 1 else None)
-    if args.batch_size > 1:
+    outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, args.policy,
+                                  sampling_from(args, tok.defaults), args.seed, batch,
+                                  on_tokens=stream if batch == 1 else None)
+    if batch > 1:
         for i, o in enumerate(outs):
             print(f"--- sequence {i} ---\n{tok.decode(o)}")
     print("\n" + stats.line())
+
+
+def max_batch(engine: Engine, args, prompt_len: int) -> int:
+    """--batch-size max: the most copies of the prompt whose cache fits for the whole output length."""
+    if engine.device.type != "cuda":
+        raise ValueError("--batch-size max sizes the batch from free GPU memory; give a number on the CPU")
+    slots = args.budget or prompt_len + args.max_new_tokens
+    fits = batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(), engine.dtype)
+    if fits == 0:
+        raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")
+    return fits
 
 
 def main(argv=None):

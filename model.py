@@ -123,7 +123,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, cache: KVCache, prefill: bool):
+    def forward(self, x, cos, sin, positions, cache: KVCache, rows):
         B, T, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
@@ -133,8 +133,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        if prefill:
-            out = cache.prefill(self.layer, q, k, v, positions)  # [B, H_q, T, D]
+        if rows is not None:  # prefill whole prompts into these cache rows
+            out = cache.prefill(self.layer, q, k, v, positions, rows)  # [B, H_q, T, D]
         else:
             out = cache.decode(self.layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], positions[:, 0])[:, :, None]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -159,8 +159,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, positions, cache, prefill):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, prefill)
+    def forward(self, x, cos, sin, positions, cache, rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -176,15 +176,16 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg, "cpu"), persistent=False)
 
-    def forward(self, tokens, positions, cache: KVCache, prefill=False, last=None):
-        """tokens, positions: [B, T] (position -1 marks padding). Returns logits [B, T, V], or [B, V] at
+    def forward(self, tokens, positions, cache: KVCache, rows=None, last=None):
+        """tokens, positions: [B, T] (position -1 marks padding). Decodes one token per cache row, or, with
+        `rows` [B], prefills whole prompts into those cache rows. Returns logits [B, T, V], or [B, V] at
         index `last` [B] of each row when given (prefill needs only the last prompt token's logits)."""
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]
         freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like HF
         angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for block in self.model.layers:
-            x = block(x, cos, sin, positions, cache, prefill)
+            x = block(x, cos, sin, positions, cache, rows)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
         x = self.model.norm(x)

@@ -32,15 +32,18 @@ class LLM:
         self.stats: Stats | None = None  # the last call's statistics
 
     def generate(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None) -> list[Output]:
-        """prompts: a list of strings (tokenized as they are) or of token-id lists."""
+                 top_k: int = 0, seed: int | None = None, batch_size: int | None = None) -> list[Output]:
+        """prompts: a list of strings (tokenized as they are) or of token-id lists. batch_size: how many
+        sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
+        take the rows that free up."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
             raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         outs, self.stats = self.engine.generate(ids, max_new_tokens, self.tokenizer.eos_ids, self.budget,
-                                                self.policy, Sampling(temperature, top_k, top_p), seed)
+                                                self.policy, Sampling(temperature, top_k, top_p), seed,
+                                                batch_size)
         return [Output(o, self.tokenizer.decode(o)) for o in outs]
 
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:

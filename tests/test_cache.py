@@ -36,7 +36,7 @@ def run_steps(model, cache, tokens, steps):
     for i, t in enumerate(tokens):
         ids[i, :len(t)], pos[i, :len(t)] = torch.tensor(t), torch.arange(len(t))
     lengths = (pos >= 0).sum(1)
-    nxt = model(ids, pos, cache, prefill=True, last=lengths - 1).argmax(-1)
+    nxt = model(ids, pos, cache, rows=torch.arange(B), last=lengths - 1).argmax(-1)
     for _ in range(steps):
         nxt = model(nxt[:, None], lengths[:, None], cache)[:, 0].argmax(-1)
         lengths = lengths + 1

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import generate
 import tinyflow
-from generate import Engine, Sampling, check_memory, sample
+from generate import Engine, sample
 from model import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,11 +98,44 @@ def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
         llm.generate("Hi")
 
 
-def test_memory_check_names_needed_and_free_bytes(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 2**34))
-    with pytest.raises(ValueError, match=r"need 3.00 GiB but only 1.00 GiB"):
-        check_memory(3 * 2**30, torch.device("cuda"))
-    check_memory(2**29, torch.device("cuda"))
+def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
+    cfg, dtype = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
+    fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
+    row = generate.bytes_per_row(cfg, 3200, dtype)
+    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4) + 24 * 320  # 2 layers x 2 KV heads x (K, V of 32 bf16 + pos)
+    assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
+    assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
+    assert generate.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
+
+
+def test_engine_refuses_a_batch_that_cannot_fit_before_allocating(checkpoints, monkeypatch):
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    engine = Engine(model, compile=False)
+    engine.device = torch.device("cuda")  # pretend, with a GPU that has room for exactly 10 rows
+    fixed = generate.prefill_bytes(model.cfg, generate.PREFILL_TOKENS, engine.dtype) + generate.SPARE
+    free = fixed + 10 * generate.bytes_per_row(model.cfg, 64, engine.dtype)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    with pytest.raises(ValueError, match=r"11 sequences of 64 KV slots need .* GiB .* free \(10 would fit\)"):
+        engine._batch_size(11, 20, 64, 10)
+    assert engine._batch_size(None, 20, 64, 10) == 10  # unasked: as many as fit, the rest wait
+    assert engine._batch_size(None, 4, 64, 10) == 4
+    assert engine.cache is None  # nothing was allocated
+
+
+@pytest.mark.parametrize("budget", [None, 36])
+def test_refilled_rows_give_each_prompt_the_tokens_it_gets_alone(checkpoints, budget):
+    """Six prompts through two rows: as sequences end (at a chosen 'EOS' token or the length limit),
+    waiting prompts are prefilled into the freed row while the other row keeps decoding."""
+    model, tok = load(str(checkpoints["llama"]), torch.device("cpu"), torch.float32)
+    texts = ["Hello world", "The quick brown fox", "2 + 3", "Please reason", "lazy dog", "What is"]
+    prompts = [tok.encode(t) for t in texts]
+    engine = Engine(model, compile=False, sync_every=4)
+    free_run = [engine.generate([p], 30, [], budget)[0][0] for p in prompts]
+    eos = [free_run[0][5]]  # a token that ends some sequences early, at different steps
+    alone = [engine.generate([p], 30, eos, budget)[0][0] for p in prompts]
+    assert len({len(a) for a in alone}) > 1  # the test needs sequences that end at different times
+    batched, stats = engine.generate(prompts, 30, eos, budget, batch_size=2)
+    assert stats.batch == 2 and batched == alone
 
 
 def test_command_line_end_to_end(checkpoints):

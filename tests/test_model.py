@@ -31,7 +31,7 @@ def prefill_logits(model, tokens, slots):
     B, T = tokens.shape
     cache = KVCache(model.cfg, B, slots, "cpu", torch.float32)
     positions = torch.arange(T).expand(B, T)
-    return model(tokens, positions, cache, prefill=True), cache
+    return model(tokens, positions, cache, rows=torch.arange(B)), cache
 
 
 @pytest.mark.parametrize("arch", ARCHS)
