@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kernel
 from cache import KVCache
-from generate import Engine, Sampling, State, Stepper
+from generate import Engine, Sampling, State, Stepper, batch_that_fits, pick_device, sync_time
 from model import Config, load, random_model
 
 SHAPES = {
@@ -37,22 +37,25 @@ SHAPES = {
     "R1-Distill-Qwen-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                                intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                                num_key_value_heads=4, rope_theta=1e4),
+    "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),  # runs on a CPU in seconds
 }
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 4 GiB device-to-device copy (read + write counted), median of 10."""
-    x = torch.randn(2**30, device="cuda")
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large copy in device memory (4 GiB on a GPU; read + write counted)."""
+    x = torch.randn(2**30 if device.type == "cuda" else 2**25, device=device)
     y = torch.empty_like(x)
     times = []
     for _ in range(11):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        t = sync_time(device)
         y.copy_(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(sync_time(device) - t)
     return 2 * x.numel() * x.element_size() / sorted(times[1:])[5]
+
+
+def peak_gib(device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
 def graph_time(fn, reps: int = 20, rounds: int = 15) -> float:
@@ -104,14 +107,15 @@ def bench_kernel(args, bw):
         for r in rows:
             if r["batch"] == B:
                 r["vs_no_selection"] = r["us"] / base - 1
+                progress(r)
     return rows
 
 
-# ---- one decode step at steady state -------------------------------------------------------------------
+# ---- the decode step at a given cache fill --------------------------------------------------------------
 def make_model(args):
     if args.model:
-        return load(args.model, torch.device("cuda"), torch.bfloat16)[0]
-    return random_model(Config.from_dict(SHAPES[args.shape]), torch.device("cuda"), torch.bfloat16)
+        return load(args.model, args.device, args.dtype)[0]
+    return random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype)
 
 
 def weight_bytes(model) -> int:
@@ -122,36 +126,38 @@ def weight_bytes(model) -> int:
     return total
 
 
-def bench_step(args, bw, model):
-    """Time graph replays of the decode step with every slot filled (the steady state of a long run)."""
-    cfg, rows = model.cfg, []
-    steps = 50
-    for policy in args.policy:
-        for B in args.batch:
-            slots = args.budget if policy != "full" else args.context + steps + 2
-            cache = KVCache(cfg, B, slots, "cuda", torch.bfloat16, policy)
-            z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device="cuda")
-            state = State(z(B), z(B), z(B), z(B, 4 * steps + 8), z(1))
-            stepper = Stepper(model, cache, state, Sampling(), compile=True)
-            filled = args.budget if policy != "full" else args.context  # slots holding a token
-            fill_cache(cache, filled)
-            state.positions.fill_(filled)
-            for _ in range(3):
-                stepper()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(steps):
-                stepper()
-            torch.cuda.synchronize()
-            t = (time.perf_counter() - start) / steps
-            kv = KVCache.bytes_needed(cfg, B, filled, torch.bfloat16)
-            floor = (weight_bytes(model) + kv) / bw
-            rows.append(dict(workload="step", shape=args.shape or args.model, policy=policy, batch=B,
-                             kv_tokens=filled, ms=t * 1e3, tokens_per_s=B / t, floor_fraction=floor / t,
-                             peak_gib=torch.cuda.max_memory_allocated() / 2**30))
-            del stepper, cache, state
+class StepTimer:
+    """The engine's own compiled, graph-captured decode step for one (policy, batch, slots); times its
+    replays with the cache filled to any length. Only data changes between fills, so one capture serves."""
+
+    def __init__(self, model, policy: str, batch: int, slots: int, compile: bool):
+        self.model, self.policy, self.batch, self.slots = model, policy, batch, slots
+        self.device, self.dtype = model.inv_freq.device, model.model.norm.weight.dtype
+        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, policy)
+        self.state = State.empty(batch, self.device)
+        t = time.perf_counter()
+        self.stepper = Stepper(model, self.cache, self.state, Sampling(), compile)
+        self.compile_s = time.perf_counter() - t
+
+    def seconds_per_step(self, filled: int, steps: int = 20) -> float:
+        fill_cache(self.cache, filled)
+        self.state.positions.fill_(filled)
+        for _ in range(3):
+            self.stepper()
+        t = sync_time(self.device)
+        for _ in range(steps):
+            self.stepper()
+        return (sync_time(self.device) - t) / steps
+
+    def kv_bytes_read(self, filled: int) -> int:
+        """LongFlow reads every slot; the full cache reads the slots filled so far."""
+        read = self.slots if self.policy != "full" else filled
+        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype)
+
+    def free(self):
+        del self.stepper, self.cache, self.state
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows
 
 
 def fill_cache(cache: KVCache, filled: int):
@@ -163,50 +169,196 @@ def fill_cache(cache: KVCache, filled: int):
     cache.next_slot.fill_(min(filled, cache.slots - 1))
 
 
+def step_row(timer: StepTimer, filled: int, bw: float, **extra) -> dict:
+    t = timer.seconds_per_step(filled)
+    floor = (weight_bytes(timer.model) + timer.kv_bytes_read(filled)) / bw
+    return dict(policy=timer.policy, batch=timer.batch, slots=timer.slots, kv_tokens=filled, ms_per_step=t * 1e3,
+                tokens_per_s=timer.batch / t, floor_fraction=floor / t, compile_s=timer.compile_s,
+                peak_gib=peak_gib(timer.device), **extra)
+
+
+def slots_for(policy: str, args) -> int:
+    return args.budget if policy != "full" else args.prompt_len + args.new_tokens
+
+
+def bench_step(args, bw, model):
+    """Steady state: every slot of a LongFlow cache filled; a full cache holding --context tokens."""
+    rows = []
+    for policy in args.policy:
+        for B in args.batch:
+            slots = args.budget if policy != "full" else args.context + 64
+            timer = StepTimer(model, policy, B, slots, args.compile)
+            rows.append(step_row(timer, args.budget if policy != "full" else args.context, bw, workload="step"))
+            progress(rows[-1])
+            timer.free()
+    return rows
+
+
+def bench_throughput(args, bw, model):
+    """Tokens/s over a whole run of --new-tokens outputs at the largest batch that fits (or --batch).
+    The step time is measured at 5 cache fills across the run and integrated over its length (a
+    LongFlow step costs the same at every fill: it always reads its `budget` slots)."""
+    rows = []
+    for policy in args.policy:
+        slots = slots_for(policy, args)
+        fits = None
+        if args.device.type == "cuda":
+            fits = batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0], args.dtype)
+        for B in args.batch or [fits]:
+            timer = StepTimer(model, policy, B, slots, args.compile)
+            if policy == "full":
+                fills = [args.prompt_len + round(f * (args.new_tokens - 64)) for f in (0, .25, .5, .75, 1)]
+            else:
+                fills = [args.budget]
+            steps = [step_row(timer, f, bw) for f in fills]
+            ms = run_mean([r["ms_per_step"] for r in steps])
+            floor_ms = run_mean([r["ms_per_step"] * r["floor_fraction"] for r in steps])
+            rows.append(dict(workload="throughput", policy=policy, batch=B, slots=slots, fits=fits,
+                             new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
+                             floor_fraction=floor_ms / ms, peak_gib=steps[-1]["peak_gib"],
+                             compile_s=timer.compile_s))
+            progress(rows[-1])
+            timer.free()
+    by = {r["policy"]: r["tokens_per_s"] for r in rows}
+    if "longflow" in by and "full" in by:
+        print(f"longflow / full throughput: {by['longflow'] / by['full']:.2f}x")
+    return rows
+
+
+def run_mean(values: list[float]) -> float:
+    """The mean over a run of values measured at equally spaced points of it (trapezoid rule)."""
+    if len(values) == 1:
+        return values[0]
+    return (sum(values) - (values[0] + values[-1]) / 2) / (len(values) - 1)
+
+
 # ---- end to end -----------------------------------------------------------------------------------------
 def bench_generate(args, bw, model):
+    """Whole runs through the engine (prefill, compiled graph-replayed step, host syncs), for checking
+    the step timings above against reality."""
     rows = []
-    engine = Engine(model, compile=True)
-    for B in args.batch:
-        prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
-        budget = args.budget if args.policy[0] != "full" else None
-        outs, st = engine.generate(prompts, args.new_tokens, [], budget, args.policy[0], seed=0)
-        rows.append(dict(workload="generate", shape=args.shape or args.model, policy=args.policy[0],
-                         batch=B, new_tokens=args.new_tokens, compile_s=st.setup_s, prefill_s=st.prefill_s,
-                         decode_tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
-                         peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+    engine = Engine(model, compile=args.compile)
+    for policy in args.policy:
+        for B in args.batch or [1]:
+            prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
+            budget = args.budget if policy != "full" else None
+            outs, st = engine.generate(prompts, args.new_tokens, [], budget, policy, seed=0)
+            assert all(len(o) == args.new_tokens for o in outs)
+            rows.append(dict(workload="generate", policy=policy, batch=B, new_tokens=args.new_tokens,
+                             compile_s=st.setup_s, prefill_s=st.prefill_s,
+                             tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
+                             ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
+            progress(rows[-1])
     return rows
+
+
+def bench_long_prompt(args, bw, model):
+    """The KVPress case: one --prompt-len prompt (default 128k) compressed at prefill to half its length
+    and to --budget, against the full cache; peak memory and decode speed."""
+    rows = []
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len)).tolist()
+    engine = Engine(model, compile=args.compile)
+    for name, budget in [("full", None), ("50%", args.prompt_len // 2), (f"budget {args.budget}", args.budget)]:
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        _, st = engine.generate(prompt, args.new_tokens, [], budget, "longflow" if budget else "full", seed=0)
+        rows.append(dict(workload="long-prompt", cache=name, prompt_tokens=args.prompt_len, slots=st.slots,
+                         prefill_s=st.prefill_s, decode_tokens_per_s=(args.new_tokens - 1) / st.decode_s,
+                         peak_gib=peak_gib(args.device)))
+        progress(rows[-1])
+        engine = Engine(model, compile=args.compile)  # drop the previous cache before the next size
+    return rows
+
+
+def bench_hf(args, bw, _):
+    """Hugging Face transformers full-KV generate on the same shape (random bf16 weights, sdpa): the
+    step time from two runs of different lengths, so prefill and setup cancel out."""
+    import transformers
+    cfg = transformers.AutoConfig.for_model(**SHAPES[args.shape])
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                           attn_implementation="sdpa").eval()
+    rows = []
+    for B in args.batch or [1]:
+        ids = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), device="cuda")
+
+        def run(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        run(2)
+        n = args.new_tokens
+        step = (run(n) - run(n // 4)) / (n - n // 4)
+        rows.append(dict(workload="hf", policy="transformers full", batch=B, prompt_len=args.prompt_len,
+                         ms_per_step=step * 1e3, tokens_per_s=B / step,
+                         peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+        progress(rows[-1])
+    return rows
+
+
+def progress(row: dict):
+    print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def plot(rows, path):
+    """Throughput against batch size, one line per policy (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in sorted({r["policy"] for r in rows}):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["policy"] == policy)
+        ax.plot(*zip(*pts), marker="o", label=policy)
+    ax.set(xlabel="batch size", ylabel="tokens/s", xscale="log", title="decode throughput")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
+             "generate": bench_generate, "long-prompt": bench_long_prompt, "hf": bench_hf}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("workload", choices=["kernel", "step", "generate"])
+    p.add_argument("workload", choices=sorted(WORKLOADS))
     p.add_argument("--shape", default="Qwen3-8B", choices=sorted(SHAPES))
     p.add_argument("--model", default=None, help="a real checkpoint instead of random weights")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="default: 1 and 64, or the largest that fits")
     p.add_argument("--budget", type=int, default=3200)
     p.add_argument("--slots", type=int, default=3200, help="kernel: slots per sequence")
     p.add_argument("--context", type=int, default=16384, help="step, full policy: tokens in the cache")
-    p.add_argument("--policy", nargs="+", default=["longflow"])
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--policy", nargs="+", default=["longflow", "full"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=16384)
+    p.add_argument("--device", default=None, help="default: cuda when available")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--json", default=None, help="write the raw rows here")
+    p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("error: bench.py measures GPU speed and needs CUDA")
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    if args.workload == "kernel":
-        rows = bench_kernel(args, bw)
-    else:
-        model = make_model(args)
-        rows = (bench_step if args.workload == "step" else bench_generate)(args, bw, model)
-    for r in rows:
-        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    args.device, args.dtype = pick_device(args.device, None)
+    if args.device.type != "cuda" and args.workload in ("kernel", "hf"):
+        raise SystemExit(f"error: the {args.workload} workload times CUDA kernels and needs a GPU")
+    if args.batch is None and (args.workload in ("kernel", "step") or args.device.type != "cuda"):
+        args.batch = [1, 64] if args.device.type == "cuda" else [1, 2]
+    bw = copy_bandwidth(args.device)
+    print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s, "
+          f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
+    model = make_model(args) if args.workload not in ("kernel", "hf") else None
+    rows = WORKLOADS[args.workload](args, bw, model)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(bandwidth=bw, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           rows=rows), f, indent=1)
+            json.dump(dict(bandwidth=bw, device=str(args.device), torch=torch.__version__,
+                           args={k: str(v) for k, v in vars(args).items()}, rows=rows), f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":

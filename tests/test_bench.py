@@ -1,0 +1,25 @@
+"""bench.py end to end on the CPU with the tiny shape: it runs in seconds and writes its JSON."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
+    for workload in ("throughput", "long-prompt"):
+        out = tmp_path / f"{workload}.json"
+        r = subprocess.run([sys.executable, "bench.py", workload, "--shape", "tiny", "--device", "cpu",
+                            "--no-compile", "--batch", "2", "--new-tokens", "24", "--budget", "40",
+                            "--prompt-len", "80", "--json", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(out.read_text())["rows"]
+        assert rows and all(row["workload"] == workload for row in rows)
+        if workload == "throughput":
+            assert {row["policy"] for row in rows} == {"longflow", "full"}
+            assert all(row["tokens_per_s"] > 0 and 0 < row["floor_fraction"] for row in rows)
+            assert "longflow / full throughput" in r.stdout
+        else:
+            assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
