@@ -9,42 +9,102 @@ not matter and a token can be written anywhere. Every decode step, every layer:
     3. `next_slot` = the lowest empty slot, else the slot the policy ranks lowest.
 With policy "full" the cache has room for every token and slots simply fill in order.
 """
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
 import kernel
 
-POLICIES = ("full", "longflow", "longflow-head")
 SNAPKV_WINDOW = 32  # prompt compression keeps the last 32 prompt tokens and ranks the rest by their attention
 SNAPKV_POOL = 5
+PROMPT_RULES = ("snapkv", "streaming", "decode")
 
 
-def check_budget(budget, policy: str, n_sink: int = 0, window: int = 0):
-    """Raise a clear error for a policy or budget that cannot work."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+@dataclass(frozen=True)
+class Policy:
+    """How a full cache picks the slot the next token overwrites. Every rule is one argmin per step over
+    a per-slot score; empty slots always come first and protected slots never."""
+    rule: str  # "kernel": scored inside the attention kernel; "fill": never evicts (a full-size cache);
+    #            "oldest", "random", "knorm": plain PyTorch over the slots' positions or key norms
+    per_head: bool = False  # one decision per KV head (mean over its query group), not per layer
+    value_norm: bool = True  # kernel rules: score alpha * ||v||_1 (LongFlow) or alpha alone (TOVA)
+    accumulate: bool = False  # kernel rules: rank by the score summed over all steps so far (H2O, VATP)
+    n_sink: int = 0  # the first n_sink positions are never evicted
+    window: float = 0  # the most recent tokens are never evicted: a count, or a fraction of the non-sink budget
+
+
+POLICIES = {
+    "full": Policy("fill"),
+    # LongFlow (Sun et al. 2025): argmin_i mean_h alpha[h, i] * ||v_i||_1 for the current query, per layer
+    "longflow": Policy("kernel"),
+    "longflow-head": Policy("kernel", per_head=True),
+    # TOVA (Oren et al. 2024): the current query's attention averaged over the heads of the layer
+    "tova": Policy("kernel", value_norm=False),
+    # H2O (Zhang et al. 2023): attention accumulated over every step, per head; half the budget recent
+    "h2o": Policy("kernel", per_head=True, value_norm=False, accumulate=True, window=0.5),
+    # VATP (Guo et al. 2024): H2O's accumulated attention times ||v_i||_1; the first 20 tokens are sinks,
+    # half of the rest recent
+    "vatp": Policy("kernel", per_head=True, accumulate=True, n_sink=20, window=0.5),
+    # StreamingLLM (Xiao et al. 2024): 4 attention sinks and the most recent tokens
+    "streaming": Policy("oldest", n_sink=4),
+    # sanity baselines: a seeded random slot; the largest key norm (Devoto et al. 2024 keep low norms)
+    "random": Policy("random"),
+    "knorm": Policy("knorm"),
+}
+
+
+def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, window: int | None = None,
+                   prompt_rule: str = "snapkv") -> Policy:
+    """The named policy with its protections in slots (its defaults, or the caller's), checked against
+    the budget. Raises a clear error for a policy, rule or budget that cannot work."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if prompt_rule not in PROMPT_RULES:
+        raise ValueError(f"unknown prompt compression {prompt_rule!r}; choose one of {', '.join(PROMPT_RULES)}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise ValueError(f"budget must be a positive integer number of KV slots, got {budget!r}")
+    for what, value in (("sinks", n_sink), ("window", window)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    p = POLICIES[name]
+    n_sink = p.n_sink if n_sink is None else n_sink
+    if window is None:
+        # a fraction: of the slots that are not sinks
+        window = int(p.window * (budget - n_sink)) if isinstance(p.window, float) and budget else int(p.window)
     need = max(SNAPKV_WINDOW, n_sink + window) + 1
-    if policy != "full" and budget < need:
+    if budget is not None and p.rule != "fill" and budget < need:
         raise ValueError(f"budget {budget} is too small: the {n_sink} sink + {window} recent protected "
                          f"tokens, the {SNAPKV_WINDOW}-token prompt window and the new token need at "
                          f"least {need} slots")
+    return replace(p, n_sink=n_sink, window=window)
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def hash32(x):
+    """An integer hash (lowbias32) on int64 tensors holding 32-bit values; products are masked back to
+    32 bits, so int64 wrap-around never matters."""
+    x = x & MASK32
+    for mul in (0x7FEB352D, 0x846CA68B):
+        x = ((x ^ (x >> 16)) * mul) & MASK32
+    return x ^ (x >> 16)
 
 
 class KVCache:
-    def __init__(self, cfg, batch: int, slots: int, device, dtype, policy="full",
-                 n_sink: int = 0, window: int = 0):
+    def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
+                 prompt_rule: str = "snapkv"):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots)
         self.k = torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype)  # [L, B, H_kv, S, D]
         self.v = torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype)  # [L, B, H_kv, S, D]
         self.pos = torch.full(shape, -1, device=device, dtype=torch.int32)  # [L, B, H_kv, S]
         self.next_slot = torch.zeros(shape[:3], device=device, dtype=torch.int64)  # [L, B, H_kv]
-        self.policy, self.n_sink, self.window = policy, n_sink, window
-        self.per_head = policy == "longflow-head"
-        self.slots = slots
+        self.policy = resolve_policy(policy, slots) if isinstance(policy, str) else policy
+        self.prompt_rule, self.slots = prompt_rule, slots
+        # per-slot history beside the cache (fp32): accumulated scores, or each key's norm for knorm
+        keeps_score = self.policy.accumulate or self.policy.rule == "knorm"
+        self.score = torch.zeros(shape if keeps_score else (1, 1, 1, 1), device=device)  # [L, B, H_kv, S]
 
     @staticmethod
     def bytes_needed(cfg, batch: int, slots: int, dtype) -> int:
@@ -58,20 +118,39 @@ class KVCache:
     # ---- decode: one token per sequence -------------------------------------------------------------
     def decode(self, layer: int, q, k, v, positions):
         """q: [B, H_q, D]; k, v: [B, H_kv, D]; positions: [B]. Returns the attention output [B, H_q, D]."""
+        p = self.policy
         slot = self.next_slot[layer]  # [B, H_kv]
         B, H, D = k.shape
         at = slot[:, :, None, None].expand(B, H, 1, D)
         self.k[layer].scatter_(2, at, k[:, :, None])
         self.v[layer].scatter_(2, at, v[:, :, None])
         self.pos[layer].scatter_(2, slot[:, :, None], positions.int()[:, None, None].expand(B, H, 1))
+        if p.accumulate or p.rule == "knorm":  # the new token's history starts now
+            fresh = k.float().norm(dim=-1) if p.rule == "knorm" else torch.zeros(B, H, device=k.device)
+            self.score[layer].scatter_(2, slot[:, :, None], fresh[:, :, None])
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
-        select = self.policy != "full"
-        out, evict = attend(q, self.k[layer], self.v[layer], self.pos[layer], per_head=self.per_head,
-                            n_sink=self.n_sink, window=self.window, select=select)
-        # a full cache is sized to hold every token, so its slots just fill in order (a finished
-        # sequence that keeps stepping until its row is reused just rewrites its last slot)
-        self.next_slot[layer].copy_(evict if select else (slot + 1).clamp(max=self.slots - 1))
+        scored = p.rule == "kernel"
+        out, evict = attend(q, self.k[layer], self.v[layer], self.pos[layer], per_head=p.per_head,
+                            n_sink=p.n_sink, window=p.window, select=scored, value_norm=p.value_norm,
+                            acc=self.score[layer] if p.accumulate else None)
+        if p.rule == "fill":  # sized for every token, so slots fill in order (a finished sequence that
+            evict = (slot + 1).clamp(max=self.slots - 1)  # steps on until its row is reused rewrites its last)
+        elif not scored:
+            evict = self.choose_in_torch(layer)
+        self.next_slot[layer].copy_(evict)
         return out
+
+    def choose_in_torch(self, layer: int):
+        """The rules that need no attention: the oldest token (StreamingLLM), a seeded random slot, or
+        the largest key norm. Returns [B, H_kv] slots."""
+        p, pos = self.policy, self.pos[layer]  # [B, H_kv, S]
+        if p.rule == "oldest":
+            score = pos.float()
+        elif p.rule == "random":  # a hash of (position, layer): the same choices on every run
+            score = hash32(pos.long() * 0x9E3779B1 + layer).float()
+        else:  # knorm
+            score = -self.score[layer]
+        return argmin_slot(score, pos, p)
 
     # ---- prefill: a batch of (right-padded) prompts ------------------------------------------------
     def prefill(self, layer: int, q, k, v, positions, rows):
@@ -82,7 +161,7 @@ class KVCache:
         R, H, T, D = k.shape
         S = self.slots
         if T >= S:  # keep S - 1 tokens per row; the last slot stays empty for the first new token
-            keep = snapkv_keep(q, k, positions, S - 1, self.per_head)  # [R, H_kv, S-1], into T
+            keep = self.prompt_keep(layer, q, k, v, positions, S - 1)  # [R, H_kv, S-1], into T
             at = keep[..., None].expand(R, H, S - 1, D)
             k, v = k.gather(2, at), v.gather(2, at)
             positions = positions[:, None].expand(R, H, T).gather(2, keep)  # [R, H_kv, S-1]
@@ -91,9 +170,37 @@ class KVCache:
         self.k[layer, rows, :, :T] = k
         self.v[layer, rows, :, :T] = v
         self.pos[layer, rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
+        if self.policy.accumulate:  # scores accumulate from the first decode step on
+            self.score[layer, rows] = 0.0
+        if self.policy.rule == "knorm":
+            self.score[layer, rows, :, :T] = k.float().norm(dim=-1)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
         self.next_slot[layer, rows] = (self.pos[layer, rows] >= 0).sum(-1)
         return out
+
+    def prompt_keep(self, layer: int, q, k, v, positions, n_keep: int):
+        """The prompt tokens that stay when a prompt does not fit: SnapKV (default), StreamingLLM's first
+        4 + most recent, or the policy's own decode rule scored for the last prompt query. Returns
+        indices into T [R, H_kv, n_keep], sorted, real tokens before padding."""
+        p, R, H, T = self.policy, *k.shape[:3]
+        pos = positions[:, None].expand(R, H, T)  # [R, H_kv, T]
+        if self.prompt_rule == "snapkv":
+            return top_tokens(snapkv_score(q, k, positions, p.per_head), pos, n_keep)
+        if self.prompt_rule == "streaming":
+            return top_tokens(torch.where(pos < 4, pos.max() + 1, pos).float(), pos, n_keep)
+        if p.rule == "kernel":  # alpha of the last real query, (times ||v||_1), mean over heads
+            last = q.gather(2, ((positions >= 0).sum(1) - 1)[:, None, None, None].expand(R, q.shape[1], 1, q.shape[3]))
+            logits = last.float().view(R, H, -1, q.shape[3]) @ k.float().transpose(2, 3) / q.shape[3] ** 0.5
+            alpha = logits.masked_fill(pos[:, :, None] < 0, float("-inf")).softmax(-1)  # [R, H_kv, G, T]
+            score = alpha * v.float().abs().sum(-1)[:, :, None] if p.value_norm else alpha
+            score = score.mean(2) if p.per_head else score.mean((1, 2))[:, None].expand(R, H, T)
+        else:
+            score = {"oldest": pos.float(), "random": -hash32(pos.long() * 0x9E3779B1 + layer).float(),
+                     "knorm": -k.float().norm(dim=-1)}[p.rule]
+            score = score if p.per_head else score.mean(1, keepdim=True).expand(R, H, T)
+        newest = pos.amax(-1, keepdim=True)
+        protected = (pos >= 0) & ((pos < p.n_sink) | (pos > newest - p.window))
+        return top_tokens(score.masked_fill(protected, float("inf")), pos, n_keep)
 
 
 def prefill_attention(q, k, v, positions, chunk: int = 1024):
@@ -114,11 +221,11 @@ def prefill_attention(q, k, v, positions, chunk: int = 1024):
     return torch.cat(outs, dim=2)
 
 
-def snapkv_keep(q, k, positions, n_keep: int, per_head: bool):
-    """SnapKV prompt compression (Li et al. 2024): keep the last SNAPKV_WINDOW prompt tokens, and of the
-    rest the ones those queries attend to most (softmax weights summed over the window's queries and the
-    heads, average-pooled over 5 neighbouring tokens). Returns slot indices into T [B, H_kv, n_keep],
-    sorted, real tokens before padding. q: [B, H_q, T, D]; k: [B, H_kv, T, D]; positions: [B, T]."""
+def snapkv_score(q, k, positions, per_head: bool):
+    """SnapKV prompt compression (Li et al. 2024): the last SNAPKV_WINDOW prompt tokens stay (score +inf);
+    the rest are ranked by the attention those queries give them (softmax weights summed over the
+    window's queries and the heads, average-pooled over 5 neighbouring tokens). Returns [B, H_kv, T];
+    q: [B, H_q, T, D]; k: [B, H_kv, T, D]; positions: [B, T]."""
     B, Hq, T, D = q.shape
     H = k.shape[1]
     lengths = (positions >= 0).sum(1)  # [B]
@@ -134,6 +241,22 @@ def snapkv_keep(q, k, positions, n_keep: int, per_head: bool):
         score = score.sum(1, keepdim=True).expand(B, H, T)  # one decision for the whole layer
     idx = torch.arange(T, device=q.device)
     in_window = (idx >= lengths[:, None] - SNAPKV_WINDOW) & (positions >= 0)  # [B, T]
-    score = torch.where(in_window[:, None], float("inf"), score)
-    score = torch.where(positions[:, None] < 0, float("-inf"), score)
+    return torch.where(in_window[:, None], float("inf"), score)
+
+
+def top_tokens(score, pos, n_keep: int):
+    """Indices [R, H_kv, n_keep] of the highest-scoring real tokens (padding last), in prompt order."""
+    score = score.masked_fill(pos < 0, float("-inf"))
     return score.topk(n_keep, dim=-1).indices.sort(-1).values
+
+
+def argmin_slot(score, pos, p: Policy):
+    """The lowest-index empty slot, else the lowest score among unprotected slots; per KV head or, with
+    one decision per layer, on the mean over heads. score, pos: [B, H_kv, S]. Returns [B, H_kv]."""
+    newest = pos.amax(-1, keepdim=True)
+    protected = (pos >= 0) & ((pos < p.n_sink) | (pos > newest - p.window))
+    empty = pos < 0
+    if not p.per_head:  # every KV head holds the same tokens
+        score, protected, empty = score.mean(1, keepdim=True), protected[:, :1], empty[:, :1]
+    score = score.masked_fill(protected, float("inf")).masked_fill(empty, float("-inf"))
+    return score.argmin(-1).expand(pos.shape[:2])

@@ -16,22 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import KVCache, check_budget
+from cache import POLICIES, KVCache, Policy, hash32, resolve_policy
 from model import Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
-MASK32 = 0xFFFFFFFF
-
-
-def hash32(x):
-    """An integer hash (lowbias32) on int64 tensors holding 32-bit values; products are masked back to
-    32 bits, so int64 wrap-around never matters."""
-    x = x & MASK32
-    for mul in (0x7FEB352D, 0x846CA68B):
-        x = ((x ^ (x >> 16)) * mul) & MASK32
-    return x ^ (x >> 16)
-
-
 def uniform_noise(seeds, positions, vocab: int):
     """Uniform (0, 1) noise [B, vocab] that depends only on (seed, position, token id): the same prompt
     and seed give the same sample in any batch, on any device, with no generator state to capture."""
@@ -184,19 +172,23 @@ class Engine:
         self.dtype = model.model.embed_tokens.weight.dtype
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
-                 budget: int | None = None, policy: str = "longflow", sampling: Sampling = Sampling(),
-                 seed: int | None = None, batch_size: int | None = None,
-                 on_tokens=None) -> tuple[list[list[int]], Stats]:
+                 budget: int | None = None, policy: str | Policy = "longflow", sampling: Sampling = Sampling(),
+                 seed: int | None = None, batch_size: int | None = None, on_tokens=None,
+                 prompt_rule: str = "snapkv") -> tuple[list[list[int]], Stats]:
         """Generate for token-id prompts; returns the new ids of each (EOS included when produced)
-        and the run's statistics. batch_size: rows decoded together (default: all prompts, or as
-        many as fit). on_tokens(new_ids) streams the first prompt's output."""
-        check_request(prompts, max_new_tokens, budget, policy, self.model.cfg.vocab_size)
+        and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy.
+        batch_size: rows decoded together (default: all prompts, or as many as fit).
+        on_tokens(new_ids) streams the first prompt's output. prompt_rule: how prompts longer than
+        the budget are compressed (cache.PROMPT_RULES)."""
+        check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
+        if isinstance(policy, str):
+            policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
         longest = max(map(len, prompts))
-        if budget is None or policy == "full":
-            policy, budget = "full", longest + max_new_tokens
+        if budget is None or policy.rule == "fill":  # no compression: room for every token
+            policy, budget = POLICIES["full"], longest + max_new_tokens
         batch = self._batch_size(batch_size, len(prompts), budget, longest)
         t0 = sync_time(self.device)
-        self._prepare(batch, budget, policy, sampling)
+        self._prepare(batch, budget, policy, prompt_rule, sampling)
         t1 = sync_time(self.device)
         seed = random.randrange(2**31) if seed is None else seed
         outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
@@ -231,16 +223,16 @@ class Engine:
                              f"batch size, --max-new-tokens or --budget")
         return batch
 
-    def _prepare(self, batch, slots, policy, sampling):
+    def _prepare(self, batch, slots, policy, prompt_rule, sampling):
         """Reuse the cache, buffers and captured graph when the shape and settings repeat."""
-        key = (batch, slots, policy, sampling)
+        key = (batch, slots, policy, prompt_rule, sampling)
         if self.key == key:
             self.cache.reset()
             return
         self.key = self.stepper = self.cache = self.state = None  # free the old cache first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy)
+        self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule)
         self.state = State.empty(batch, self.device)
         self.stepper = Stepper(self.model, self.cache, self.state, sampling, self.compile)
         self.key = key
@@ -303,14 +295,13 @@ class Engine:
         return firsts
 
 
-def check_request(prompts, max_new_tokens, budget, policy, vocab_size: int):
+def check_request(prompts, max_new_tokens, vocab_size: int):
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one token of prompt text")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if max(map(max, prompts)) >= vocab_size or min(map(min, prompts)) < 0:
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size}) for this model")
-    check_budget(budget, policy)
 
 
 def sync_time(device) -> float:
@@ -370,7 +361,10 @@ def parse_args(argv=None):
                    help="let Qwen3 think before answering (its chat template's enable_thinking)")
     p.add_argument("--budget", type=positive_int, default=None,
                    help="KV slots per sequence and layer (default: keep every token)")
-    p.add_argument("--policy", default="longflow", help="longflow (per layer), longflow-head, full")
+    p.add_argument("--policy", default="longflow", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--sinks", type=int, default=None, help="first tokens never evicted (default: the policy's)")
+    p.add_argument("--window", type=int, default=None, help="recent tokens never evicted (default: the policy's)")
+    p.add_argument("--prompt-compression", default="snapkv", help="snapkv, streaming, or decode (the policy's rule)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
     p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json")
     p.add_argument("--top-p", type=float, default=None)
@@ -406,7 +400,7 @@ def run(args):
     text = read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
-    check_budget(args.budget, args.policy)
+    policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, args.prompt_compression)
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype)
     chat = tok.template is not None if args.chat is None else args.chat
@@ -420,9 +414,9 @@ def run(args):
         print(out[len(printed[0]) if printed else 0:], end="", flush=True)
         printed[:] = [out]
 
-    outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, args.policy,
+    outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy,
                                   sampling_from(args, tok.defaults), args.seed, batch,
-                                  on_tokens=stream if batch == 1 else None)
+                                  on_tokens=stream if batch == 1 else None, prompt_rule=args.prompt_compression)
     if batch > 1:
         for i, o in enumerate(outs):
             print(f"--- sequence {i} ---\n{tok.decode(o)}")

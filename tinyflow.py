@@ -7,7 +7,7 @@
 """
 from dataclasses import dataclass
 
-from cache import check_budget
+from cache import resolve_policy
 from generate import Engine, Sampling, Stats, pick_device
 from model import load
 
@@ -20,14 +20,19 @@ class Output:
 
 class LLM:
     def __init__(self, model: str, budget: int | None = None, policy: str = "longflow",
-                 device=None, dtype=None, compile: bool = True):
+                 device=None, dtype=None, compile: bool = True, sinks: int | None = None,
+                 window: int | None = None, prompt_compression: str = "snapkv"):
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper),
-        "longflow-head" (per KV head) or "full"."""
-        check_budget(budget, policy)
+        "longflow-head" (per KV head), "full", or another rule of cache.POLICIES (tova, h2o, vatp,
+        streaming, random, knorm). sinks / window: first / most recent tokens never evicted (default:
+        the policy's own). prompt_compression: for prompts longer than the budget, "snapkv",
+        "streaming", or "decode" (the policy's own rule)."""
+        self.policy = resolve_policy(policy, budget, sinks, window, prompt_compression)
+        self.prompt_rule = prompt_compression
         self.device, self.dtype = pick_device(device, dtype)
         self.model, self.tokenizer = load(model, self.device, self.dtype)
-        self.budget, self.policy = budget, policy
+        self.budget = budget
         self.engine = Engine(self.model, compile=compile)
         self.stats: Stats | None = None  # the last call's statistics
 
@@ -43,7 +48,7 @@ class LLM:
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         outs, self.stats = self.engine.generate(ids, max_new_tokens, self.tokenizer.eos_ids, self.budget,
                                                 self.policy, Sampling(temperature, top_k, top_p), seed,
-                                                batch_size)
+                                                batch_size, prompt_rule=self.prompt_rule)
         return [Output(o, self.tokenizer.decode(o)) for o in outs]
 
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:

@@ -1,9 +1,11 @@
 """The static budget: slots never grow, one eviction per step and layer once full, SnapKV prompt
 compression, and equality with the full cache when the budget holds everything."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from cache import SNAPKV_WINDOW, KVCache, check_budget, snapkv_keep
+from cache import POLICIES, SNAPKV_WINDOW, KVCache, hash32, resolve_policy, snapkv_score, top_tokens
 from generate import Engine
 from model import load
 
@@ -103,21 +105,25 @@ def test_snapkv_keeps_the_centre_of_what_the_window_attends_to():
     q[..., 0] = 10.0
     k[0, 0, 10:15, 0] = 5.0  # large q.k for every window query
     positions = torch.arange(T)[None]
-    keep = snapkv_keep(q, k, positions, SNAPKV_WINDOW + 3, per_head=False)  # [1, 1, 35]
+    keep = top_tokens(snapkv_score(q, k, positions, per_head=False), positions[:, None], SNAPKV_WINDOW + 3)
     assert keep[0, 0].tolist() == [11, 12, 13] + list(range(T - SNAPKV_WINDOW, T))
 
 
 def test_budget_validation_names_the_problem():
-    check_budget(None, "longflow")
-    check_budget(33, "longflow")
+    resolve_policy("longflow", None)
+    resolve_policy("longflow", 33)
     with pytest.raises(ValueError, match="too small"):
-        check_budget(32, "longflow")
+        resolve_policy("longflow", 32)
     with pytest.raises(ValueError, match="too small"):
-        check_budget(40, "longflow", n_sink=20, window=20)
+        resolve_policy("longflow", 40, n_sink=20, window=20)
     with pytest.raises(ValueError, match="positive integer"):
-        check_budget(3.5, "longflow")
+        resolve_policy("longflow", 3.5)
     with pytest.raises(ValueError, match="unknown policy"):
-        check_budget(100, "h3o")
+        resolve_policy("h3o", 100)
+    with pytest.raises(ValueError, match="unknown prompt compression"):
+        resolve_policy("longflow", 100, prompt_rule="zip")
+    with pytest.raises(ValueError, match="sinks must be a non-negative integer"):
+        resolve_policy("longflow", 100, n_sink=-1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -132,3 +138,99 @@ def test_long_bf16_run_on_the_gpu_keeps_the_budget_and_stays_finite(checkpoints)
     assert torch.isfinite(engine.cache.k).all() and torch.isfinite(engine.cache.v).all()
     held = engine.cache.pos[:, 0, 0]  # [L, S]: after 3,000 steps the newest token is always held
     assert (held.max(-1).values == len(tok.encode("Hello world")) + 3000 - 2).all()
+
+
+# ---- the policy family: each rule's choice on inputs where the right answer is obvious ---------------
+class Tiny:  # the config fields a cache needs: one layer, 2 KV heads of 4 dims
+    n_layers, n_kv_heads, head_dim = 1, 2, 4
+
+
+def full_cache(policy, S=8, n_q=2):
+    """A cache of S slots holding positions 0..S-1, and one decode step's inputs for position S. The
+    new token goes into slot S-1 (its token is evicted), so slots 0..S-2 hold positions 0..S-2."""
+    p = replace(POLICIES[policy], window=0) if isinstance(POLICIES[policy].window, float) else POLICIES[policy]
+    cache = KVCache(Tiny, 1, S, "cpu", torch.float32, p)
+    cache.pos[:] = torch.arange(S, dtype=torch.int32)
+    cache.k[:] = 0.0
+    cache.v[:] = 1.0
+    cache.next_slot[:] = S - 1
+    q = torch.zeros(1, n_q, 4)
+    k = torch.zeros(1, 2, 4)
+    v = torch.ones(1, 2, 4)
+    return cache, q, k, v, torch.tensor([S])
+
+
+def step(cache, q, k, v, positions):
+    cache.decode(0, q, k, v, positions)
+    return cache.next_slot[0, 0].tolist()  # [H_kv]: both heads, one decision per layer or per head
+
+
+def test_streaming_evicts_the_oldest_token_after_the_four_sinks():
+    cache, *args = full_cache("streaming")
+    assert step(cache, *args) == [4, 4]
+
+
+def test_knorm_evicts_the_largest_key_norm():
+    cache, *args = full_cache("knorm")
+    cache.k[0, 0, :, 2] = 3.0  # slot 2 has the largest key in both heads
+    cache.score[0, 0] = cache.k[0, 0].norm(dim=-1)  # norms are recorded when keys are written
+    assert step(cache, *args) == [2, 2]
+
+
+def test_longflow_evicts_a_zero_value_that_tova_keeps():
+    """Slot 3 gets most of the attention but carries a zero value vector: it contributes nothing, so
+    LongFlow (alpha * ||v||_1) drops it, while TOVA (alpha alone) keeps it and drops a weakly attended one."""
+    for policy, want in (("longflow", 3), ("tova", 0)):
+        cache, q, k, v, positions = full_cache(policy)
+        q[..., 0] = 4.0
+        cache.k[0, 0, :, 3, 0] = 2.0  # q . k_3 is large
+        cache.v[0, 0, :, 3] = 0.0
+        assert step(cache, q, k, v, positions) == [want, want], policy
+
+
+def test_h2o_keeps_a_token_that_was_attended_before_even_when_not_now():
+    cache, q, k, v, positions = full_cache("h2o")
+    q[..., 0] = 4.0
+    cache.k[0, 0, :, 5, 0] = 2.0  # slot 5 is the heavy hitter of the first step
+    assert step(cache, q, k, v, positions) == [0, 0]  # slot 0 is among the least attended
+    cache.k[0, 0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
+    q2 = q.clone()
+    assert 5 not in step(cache, q2, k, v, positions + 1)  # ... but its accumulated score keeps it
+    assert cache.score[0, 0, :, 5].min() > cache.score[0, 0, :, 6].max()
+
+
+def test_vatp_never_evicts_its_twenty_sinks():
+    cache, q, k, v, positions = full_cache("vatp", S=24)
+    cache.v[0, 0, :, 7] = 0.0  # the lowest score sits in a sink
+    assert step(cache, q, k, v, positions) == [20, 20]  # the first non-sink of equal score
+
+
+def test_random_is_a_seeded_hash_of_the_position():
+    cache, *args = full_cache("random")
+    pos = torch.arange(8)
+    pos[7] = 8  # the new token took slot 7
+    want = hash32(pos.long() * 0x9E3779B1 + 0).float().argmin().item()
+    assert step(cache, *args) == [want, want]
+
+
+@pytest.mark.parametrize("policy", ["longflow", "longflow-head", "tova", "h2o", "vatp", "streaming", "random",
+                                    "knorm"])
+def test_every_policy_keeps_the_budget_and_repeats_itself(qwen3, policy):
+    model, tok = qwen3
+    engine = Engine(model, compile=False)
+    runs = [engine.generate(prompts_of(tok), 50, [], budget=40, policy=policy)[0] for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert ((engine.cache.pos >= 0).sum(-1) == 40).all()
+
+
+@pytest.mark.parametrize("rule", ["snapkv", "streaming", "decode"])
+@pytest.mark.parametrize("policy", ["longflow", "streaming", "knorm"])
+def test_every_prompt_compression_keeps_budget_minus_one_prompt_tokens(qwen3, rule, policy):
+    model, _ = qwen3
+    cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, prompt_rule=rule), rule)
+    prompt = torch.randint(0, 300, (1, 90))
+    model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
+    held = cache.pos[:, 0] >= 0  # [L, H_kv, S]
+    assert (held.sum(-1) == 39).all() and not held[..., 39].any()
+    if rule == "streaming":
+        assert sorted(cache.pos[0, 0, 0, :39].tolist()) == [0, 1, 2, 3] + list(range(55, 90))
