@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import re
 import threading
 from pathlib import Path
@@ -215,3 +216,163 @@ def is_correct(completion_text: str, true_answer) -> bool:
     if numbers is not None:
         return numbers
     return _symbolic_equal(_clean(reference), _clean(boxed))
+
+
+# ---------------------------------------------------------------------------------------------
+# A synthetic long-context check that needs no download: find the value hidden in a long haystack
+# (RULER-style needle retrieval), generated from a seed at any length, so compression can be tested
+# on prompts longer than the budget.
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+          "A river runs through the valley, and the hills are quiet in the evening light. ")
+
+
+def retrieval_items(n: int, words: int, seed: int = 0) -> list[dict]:
+    """n questions, each a haystack of about `words` words with one key-value needle at a seeded depth."""
+    rng = random.Random(seed)
+    filler = FILLER.split()
+    items = []
+    for i in range(n):
+        key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
+        value = str(rng.randrange(10**6, 10**7))
+        hay = [filler[j % len(filler)] for j in range(words)]
+        hay.insert(rng.randrange(words), f"The special magic number for {key} is {value}.")
+        question = (" ".join(hay) + f"\n\nWhat is the special magic number for {key} mentioned in the text "
+                    "above? Answer with the number alone.")
+        items.append({"index": i, "question": question, "true_answer": value})
+    return items
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a model: one JSONL line per (item, sample), resumable, then a summary.
+
+def run_file(out_dir: Path, data: str, policy: str, budget: int | None) -> Path:
+    return out_dir / f"{Path(data).stem}_{policy}_{budget or 'all'}.jsonl"
+
+
+def done_keys(path: Path) -> set[tuple[int, int]]:
+    """(item, sample) pairs an earlier, possibly interrupted run already wrote."""
+    if not path.exists():
+        return set()
+    return {(r["index"], r["sample"]) for r in map(json.loads, path.read_text().splitlines())}
+
+
+def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: int, sampling: dict,
+             seed: int, chunk: int, progress=print) -> dict:
+    """Generate for every (item, sample) not yet in `path`, appending a line as each chunk finishes;
+    return the summary over the whole file."""
+    done = done_keys(path)
+    todo = [(it, s) for s in range(samples) for it in items if (it["index"], s) not in done]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    decode_s, new_tokens = 0.0, 0
+    for start in range(0, len(todo), chunk):
+        part = todo[start:start + chunk]
+        convs = [build_messages(it["question"]) for it, _ in part]
+        # a seed per (item, sample): a resumed or re-chunked run draws the same samples
+        seeds = [seed + 1000003 * s + it["index"] for it, s in part]
+        outs = llm.chat(convs, max_new_tokens=max_new_tokens, seed=seeds, **sampling)
+        decode_s += llm.stats.decode_s + llm.stats.prefill_s
+        new_tokens += llm.stats.generated_tokens
+        with path.open("a") as f:
+            for (it, s), conv, out in zip(part, convs, outs):
+                prompt_len = len(llm.tokenizer.chat(conv))
+                f.write(json.dumps({
+                    "index": it["index"], "sample": s, "prompt": conv[0]["content"], "completion": out.text,
+                    "answer": extract_boxed(out.text), "true_answer": it["true_answer"],
+                    "correct": is_correct(out.text, it["true_answer"]), "tokens": len(out.token_ids),
+                    "budget_full": llm.budget is not None and prompt_len + len(out.token_ids) > llm.budget,
+                }) + "\n")
+        progress(f"{path.name}: {min(start + chunk, len(todo))}/{len(todo)} generations")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {"file": str(path), "items": len({r["index"] for r in rows}), "samples": samples,
+            "accuracy": sum(r["correct"] for r in rows) / len(rows),
+            "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
+            "budget_full_fraction": sum(r["budget_full"] for r in rows) / len(rows),
+            "tokens_per_s": new_tokens / decode_s if decode_s else None,
+            "kv_bytes": llm.stats.kv_bytes if llm.stats else None}
+
+
+def parse_run(text: str) -> tuple[str, int | None]:
+    """'longflow:3200' -> ("longflow", 3200); 'full' -> ("full", None)."""
+    policy, _, budget = text.partition(":")
+    if budget and not budget.isdigit():
+        raise ValueError(f"bad run {text!r}: write POLICY or POLICY:BUDGET, e.g. longflow:3200")
+    return policy, int(budget) if budget else None
+
+
+def write_table(summaries: list[dict], out_dir: Path):
+    """A markdown table of the runs, and a PNG of accuracy against budget when matplotlib is there."""
+    lines = ["| policy | budget | accuracy | mean tokens | budget ever full | tokens/s | KV MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        tps = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "-"
+        kv = f"{s['kv_bytes'] / 2**20:.0f}" if s["kv_bytes"] else "-"
+        lines.append(f"| {s['policy']} | {s['budget'] or 'all'} | {s['accuracy']:.3f} | {s['mean_tokens']:.0f} | "
+                     f"{s['budget_full_fraction']:.2f} | {tps} | {kv} |")
+    (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in sorted({s["policy"] for s in summaries if s["budget"]}):
+        pts = sorted((s["budget"], s["accuracy"]) for s in summaries if s["policy"] == policy and s["budget"])
+        ax.plot(*zip(*pts), marker="o", label=policy)
+    for s in summaries:
+        if not s["budget"]:
+            ax.axhline(s["accuracy"], linestyle="--", color="gray", label=f"{s['policy']} (all tokens)")
+    ax.set(xlabel="KV budget (slots)", ylabel="accuracy", title="accuracy against budget")
+    ax.legend()
+    fig.savefig(out_dir / "compare.png", dpi=120, bbox_inches="tight")
+
+
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(description="Accuracy of KV-cache policies on reasoning benchmarks.")
+    p.add_argument("--model", default="Qwen/Qwen3-8B")
+    p.add_argument("--data", default="aime24", help=f"one of {', '.join(DATASETS)}, 'retrieval', or a JSONL file")
+    p.add_argument("--runs", nargs="+", default=["longflow:3200"],
+                   help="POLICY[:BUDGET] runs to compare, e.g. full longflow:3200 tova:3200")
+    p.add_argument("--max-new-tokens", type=int, default=16384)
+    p.add_argument("--samples", type=int, default=1, help="pass@1 averaged over this many samples")
+    p.add_argument("--limit", type=int, default=None, help="only the first N items")
+    p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=256, help="generations per batch and per resume point")
+    p.add_argument("--retrieval-words", type=int, default=4000, help="--data retrieval: haystack words")
+    p.add_argument("--out", default="runs", help="folder for the JSONL, summary and table")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-compile", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        import tinyflow
+        runs = [parse_run(r) for r in args.runs]
+        items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
+            else load_dataset(args.data)
+        items = items[:args.limit]
+        out_dir = Path(args.out)
+        summaries, llm = [], None
+        for policy, budget in runs:
+            if llm is None:
+                llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
+            llm.set_policy(budget, policy)
+            defaults = llm.tokenizer.defaults
+            sampling = {k: getattr(args, k) if getattr(args, k) is not None else defaults.get(k, v)
+                        for k, v in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
+            path = run_file(out_dir, args.data, policy, budget)
+            summary = evaluate(llm, items, path, args.samples, args.max_new_tokens, sampling, args.seed, args.chunk)
+            summaries.append(dict(summary, policy=policy, budget=budget, data=args.data, model=args.model,
+                                  sampling=sampling))
+            path.with_suffix(".summary.json").write_text(json.dumps(summaries[-1], indent=1))
+        write_table(summaries, out_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

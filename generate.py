@@ -173,7 +173,7 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  budget: int | None = None, policy: str | Policy = "longflow", sampling: Sampling = Sampling(),
-                 seed: int | None = None, batch_size: int | None = None, on_tokens=None,
+                 seed: int | list[int] | None = None, batch_size: int | None = None, on_tokens=None,
                  prompt_rule: str = "snapkv") -> tuple[list[list[int]], Stats]:
         """Generate for token-id prompts; returns the new ids of each (EOS included when produced)
         and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy.
@@ -190,7 +190,9 @@ class Engine:
         t0 = sync_time(self.device)
         self._prepare(batch, budget, policy, prompt_rule, sampling)
         t1 = sync_time(self.device)
-        seed = random.randrange(2**31) if seed is None else seed
+        if not isinstance(seed, list):  # one seed per prompt: its samples do not depend on its row
+            seed = random.randrange(2**31) if seed is None else seed
+            seed = [seed + i for i in range(len(prompts))]
         outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
@@ -271,7 +273,7 @@ class Engine:
                 if p is not None and done(p):
                     serving[b] = None
 
-    def _admit(self, rows: list[int], prompts, taken: list[int], seed: int, s: Sampling) -> list[int]:
+    def _admit(self, rows: list[int], prompts, taken: list[int], seed: list[int], s: Sampling) -> list[int]:
         """Prefill prompts `taken` into cache `rows`, set those rows' decode state, and return each
         prompt's first generated token. Groups of about PREFILL_TOKENS padded tokens at a time."""
         firsts = []
@@ -286,7 +288,7 @@ class Engine:
                 positions[i, :len(prompts[p])] = torch.arange(len(prompts[p]))
             r = torch.tensor(group, device=self.device)
             lengths = torch.tensor([len(prompts[p]) for p in batch], device=self.device)
-            seeds = torch.tensor(batch, device=self.device) + seed  # a prompt's seed, whatever its row
+            seeds = torch.tensor([seed[p] for p in batch], device=self.device)
             logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, rows=r,
                                 last=lengths - 1)
             first = sample(logits, seeds, lengths, s.temperature, s.top_k, s.top_p)

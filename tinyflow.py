@@ -28,19 +28,24 @@ class LLM:
         streaming, random, knorm). sinks / window: first / most recent tokens never evicted (default:
         the policy's own). prompt_compression: for prompts longer than the budget, "snapkv",
         "streaming", or "decode" (the policy's own rule)."""
-        self.policy = resolve_policy(policy, budget, sinks, window, prompt_compression)
-        self.prompt_rule = prompt_compression
+        self.set_policy(budget, policy, sinks, window, prompt_compression)
         self.device, self.dtype = pick_device(device, dtype)
         self.model, self.tokenizer = load(model, self.device, self.dtype)
-        self.budget = budget
         self.engine = Engine(self.model, compile=compile)
         self.stats: Stats | None = None  # the last call's statistics
 
+    def set_policy(self, budget: int | None, policy: str = "longflow", sinks: int | None = None,
+                   window: int | None = None, prompt_compression: str = "snapkv"):
+        """Switch budget and policy for later calls, keeping the loaded model (arguments as in __init__)."""
+        self.policy = resolve_policy(policy, budget, sinks, window, prompt_compression)
+        self.budget, self.prompt_rule = budget, prompt_compression
+
     def generate(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, batch_size: int | None = None) -> list[Output]:
+                 top_k: int = 0, seed: int | list[int] | None = None,
+                 batch_size: int | None = None) -> list[Output]:
         """prompts: a list of strings (tokenized as they are) or of token-id lists. batch_size: how many
         sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
-        take the rows that free up."""
+        take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
