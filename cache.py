@@ -130,9 +130,11 @@ class KVCache:
             self.score[layer].scatter_(2, slot[:, :, None], fresh[:, :, None])
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
         scored = p.rule == "kernel"
+        # a cache that fills in order (full) reads only the slots filled so far
         out, evict = attend(q, self.k[layer], self.v[layer], self.pos[layer], per_head=p.per_head,
                             n_sink=p.n_sink, window=p.window, select=scored, value_norm=p.value_norm,
-                            acc=self.score[layer] if p.accumulate else None)
+                            acc=self.score[layer] if p.accumulate else None,
+                            limit=slot + 1 if p.rule == "fill" else None)
         if p.rule == "fill":  # sized for every token, so slots fill in order (a finished sequence that
             evict = (slot + 1).clamp(max=self.slots - 1)  # steps on until its row is reused rewrites its last)
         elif not scored:

@@ -9,6 +9,10 @@ the next token will overwrite (the lowest-index empty slot, else the argmin of t
 Both take q [B, H_q, D], k and v [B, H_kv, S, D] (keys after RoPE) and pos [B, H_kv, S] (the position
 held by each slot, -1 when empty), and return out [B, H_q, D] in q's dtype and evict [B, H_kv] int64.
 Empty slots must hold finite K/V (the cache zero-fills them): they are masked out of the softmax.
+
+The Triton path: _attend_kernel reads K/V once (flash-decoding splits when the batch is small) and stores
+each head's logits; _finish_kernel merges the splits and, in parallel over chunks of slots, turns the
+logits into scores and takes each chunk's minimum into one packed (score, slot) atomic minimum per row.
 """
 
 import functools
@@ -22,7 +26,7 @@ from torch import Tensor
 
 
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                         acc=None):
+                         acc=None, limit=None):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin.
 
     per_head: one decision per KV head (mean over its query group) instead of one per layer (mean over
@@ -32,11 +36,14 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     select=False: attention only, evict is -1. value_norm=False: score is mean_h alpha (TOVA).
     acc [B, H_kv, S] fp32: the step's score is added into it in place and its argmin is taken instead
     (H2O / VATP); per layer every column gets the same score and column 0 is the one compared.
+    limit [B, H_kv] (select=False only): slots from limit on count as empty (a cache filled in order).
     """
     B, H_q, D = q.shape
     H_kv = k.shape[1]
     logits = q.float().view(B, H_kv, H_q // H_kv, D) @ k.float().transpose(-1, -2) / math.sqrt(D)
     empty = pos < 0  # [B, H_kv, S]
+    if limit is not None:
+        empty = empty | (torch.arange(k.shape[2], device=k.device) >= limit[..., None])
     alpha = logits.masked_fill(empty[:, :, None], -math.inf).softmax(-1).nan_to_num(0.0)  # [B, H_kv, G, S]
     out = (alpha @ v.float()).view(B, H_q, D).to(q.dtype)
     if not select:
@@ -60,6 +67,7 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 # Running softmax max starts at a large finite value rather than -inf, so a block or split with no
 # valid slot gives exp(-inf - NEG_BIG) = 0 and exp(NEG_BIG - NEG_BIG) = 1, never exp(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1e30)
+KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
 
 
 @triton.jit
@@ -67,11 +75,14 @@ def _attend_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr,  # q [B, H_q, D]; k, v [B, H_kv, S, D]; pos [B, H_kv, S]
     out_ptr,  # [B, H_q, D] final output (when not split)
     m_ptr, l_ptr, o_ptr,  # per-split softmax max, sum [B, H_q, n_split] and unnormalised out [.., D]
-    logit_ptr, vnorm_ptr, newest_ptr,  # scoring scratch: [B, H_q, S], [B, H_kv, S], [B, H_kv, n_split]
-    S, chunk, scale,
+    logit_ptr, newest_ptr,  # for selection: logits [B, H_q, S] f32, newest position [B, H_kv, n_split] i32
+    key_ptr,  # [B, H_kv] i64: set here to the start of the finish kernel's atomic minimum, or -1 (no selection)
+    limit_ptr,  # [B, H_kv] i64, with HAS_LIMIT: slots from limit on are empty and not even read
+    S, chunk,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s,
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT: tl.constexpr, SELECT: tl.constexpr, VALUE_NORM: tl.constexpr,
+    SCALE: tl.constexpr,  # 1/sqrt(D); constexpr, as torch.compile would pass a float argument as fp64
+    SPLIT: tl.constexpr, SELECT: tl.constexpr, VALUE_NORM: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     """One program: all G query heads of one KV head over one split of the slots (K/V read once)."""
     b = (tl.program_id(0) // H_KV).to(tl.int64)
@@ -91,20 +102,25 @@ def _attend_kernel(
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     newest = tl.full([BLOCK_S], -1, tl.int32)
-    for start in range(split * chunk, tl.minimum(split * chunk + chunk, S), BLOCK_S):
+    end = tl.minimum(split * chunk + chunk, S)
+    if HAS_LIMIT:  # a cache that fills in order: the slots past the last token cost nothing
+        end = tl.minimum(end, tl.load(limit_ptr + b * H_KV + kvh))
+    for start in range(split * chunk, end, BLOCK_S):
         slots = start + tl.arange(0, BLOCK_S)
-        in_range = slots < S
+        in_range = slots < end
         p = tl.load(pos_ptr + slots * sp_s, mask=in_range, other=-1).to(tl.int32)  # [BLOCK_S]
         kb = tl.load(k_ptr + slots[:, None] * sk_s + dims[None, :] * sk_d, mask=in_range[:, None], other=0.0)
         vb = tl.load(v_ptr + slots[:, None] * sv_s + dims[None, :] * sv_d, mask=in_range[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [G_PAD, BLOCK_S] fp32
-        if SELECT:  # raw logits and ||v||_1 for the score pass, while the block is in registers
-            tl.store(logit_ptr + heads[:, None] * S + slots[None, :], s, mask=row_ok[:, None] & in_range[None, :])
-            if VALUE_NORM:
-                tl.store(vnorm_ptr + (b * H_KV + kvh) * S + slots, tl.sum(tl.abs(vb.to(tl.float32)), axis=1),
-                         mask=in_range)
+        s = tl.dot(q, tl.trans(kb), input_precision="ieee") * SCALE  # [G_PAD, BLOCK_S] fp32
+        s = tl.where(p[None, :] >= 0, s, float("-inf"))  # empty slots: -inf, also in the stored logits
+        if SELECT:  # the logits for the score pass, stored while the block is in registers
+            saved = s
+            if VALUE_NORM:  # alpha * ||v||_1 = exp(s + log ||v||_1 - m) / l: fold the norm into the logit
+                vnorm = tl.sum(tl.abs(vb.to(tl.float32)), axis=1)  # [BLOCK_S]
+                saved += tl.where(vnorm > 0, tl.log(tl.maximum(vnorm, 1e-30)), NEG_BIG)[None, :]  # v = 0: score 0
+            tl.store(logit_ptr + heads[:, None] * S + slots[None, :], saved,
+                     mask=row_ok[:, None] & in_range[None, :])
             newest = tl.maximum(newest, p)
-        s = tl.where(p[None, :] >= 0, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         e = tl.exp(s - m_new[:, None])
         corr = tl.exp(m - m_new)
@@ -112,6 +128,7 @@ def _attend_kernel(
         acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
 
+    tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
     if SELECT:
         tl.store(newest_ptr + (b * H_KV + kvh) * n_split + split, tl.max(newest, axis=0))
     if SPLIT or SELECT:
@@ -126,100 +143,99 @@ def _attend_kernel(
 
 
 @triton.jit
-def _softmax_stats(m_ptr, l_ptr, heads, head_ok, n_split, NS_PAD: tl.constexpr):
-    """Final softmax max and 1/sum of each head ([R] flat head indices) from its per-split partials.
-    A head with no valid slot (or a padding row) has sum 0 and gets 1/sum = 1: its terms are all masked."""
-    sp = tl.arange(0, NS_PAD)
-    ptrs = heads[:, None] * n_split + sp[None, :]  # [R, NS_PAD]
-    mask = head_ok[:, None] & (sp < n_split)[None, :]
+def _softmax_stats(m_ptr, l_ptr, heads, ok, n_split, NS_PAD: tl.constexpr):
+    """Final softmax max and 1/sum of the heads in a 2D tile of flat indices into [B, H_q], from their
+    per-split partials. A head with no valid slot (or a padding entry) gets 1/sum = 1: its terms are all 0."""
+    sp = tl.arange(0, NS_PAD)[None, None, :]
+    ptrs = heads[:, :, None] * n_split + sp  # [R, C, NS_PAD]
+    mask = ok[:, :, None] & (sp < n_split)
     m_part = tl.load(m_ptr + ptrs, mask=mask, other=NEG_BIG)
-    m = tl.max(m_part, axis=1)
-    l = tl.sum(tl.load(l_ptr + ptrs, mask=mask, other=0.0) * tl.exp(m_part - m[:, None]), axis=1)
+    m = tl.max(m_part, axis=2)
+    l = tl.sum(tl.load(l_ptr + ptrs, mask=mask, other=0.0) * tl.exp(m_part - m[:, :, None]), axis=2)
     return m, 1.0 / tl.where(l > 0, l, 1.0)
 
 
 @triton.jit
-def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split,
-                    H_KV: tl.constexpr, G: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr,
-                    NS_PAD: tl.constexpr):
+def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV: tl.constexpr, G: tl.constexpr,
+                    G_POW2: tl.constexpr, D: tl.constexpr, NS_PAD: tl.constexpr):
     """out = sum over splits of exp(m_split - m) * o_split / l, for the G query heads of KV head kvh."""
-    g = tl.arange(0, G_POW2)
-    heads = b * G * H_KV + kvh * G + g  # flat index into [B, H_q]
-    m, inv_l = _softmax_stats(m_ptr, l_ptr, heads, g < G, n_split, NS_PAD)
-    dims = tl.arange(0, D)
+    g = tl.arange(0, G_POW2)[:, None]
+    heads = (b * H_KV + kvh) * G + g  # [G_POW2, 1] flat index into [B, H_q]
+    m, inv_l = _softmax_stats(m_ptr, l_ptr, heads, g < G, n_split, NS_PAD)  # [G_POW2, 1]
+    dims = tl.arange(0, D)[None, :]
     out = tl.zeros([G_POW2, D], tl.float32)
     for split in range(n_split):
         w = tl.exp(tl.load(m_ptr + heads * n_split + split, mask=g < G, other=NEG_BIG) - m) * inv_l
-        out += w[:, None] * tl.load(o_ptr + (heads[:, None] * n_split + split) * D + dims[None, :],
-                                    mask=(g < G)[:, None], other=0.0)
-    tl.store(out_ptr + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        out += w * tl.load(o_ptr + (heads * n_split + split) * D + dims, mask=g < G, other=0.0)
+    tl.store(out_ptr + heads * D + dims, out.to(out_ptr.dtype.element_ty), mask=g < G)
 
 
 @triton.jit
-def _select_slot(pos_ptr, m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, acc_ptr, evict_ptr,
-                 b, kvh, S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
-                 H_KV: tl.constexpr, G: tl.constexpr, G_POW2: tl.constexpr, NS_PAD: tl.constexpr,
-                 N_KV: tl.constexpr, N_KV_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                 VALUE_NORM: tl.constexpr, HAS_ACC: tl.constexpr):
-    """Score every slot for the query heads of KV heads kvh .. kvh + N_KV - 1 and write the argmin."""
-    # One row per query head: row r is head r % G_POW2 of KV head kvh + r // G_POW2.
-    r = tl.arange(0, N_KV_POW2 * G_POW2)
-    kv = kvh + r // G_POW2
-    row_ok = (r // G_POW2 < N_KV) & (r % G_POW2 < G)
-    heads = b * G * H_KV + kv * G + r % G_POW2  # flat index into [B, H_q]
-    m, inv_l = _softmax_stats(m_ptr, l_ptr, heads, row_ok, n_split, NS_PAD)  # [R]
-    sp = tl.arange(0, NS_PAD)
-    newest = tl.max(tl.load(newest_ptr + (b * H_KV + kv[:, None]) * n_split + sp[None, :],
-                            mask=row_ok[:, None] & (sp < n_split)[None, :], other=-1), axis=1)  # [R]
-    best = tl.full([BLOCK], float("inf"), tl.float32)  # per-lane running minimum and its slot
-    best_slot = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, S, BLOCK):
-        slots = start + tl.arange(0, BLOCK)
-        in_range = slots < S
-        mask = row_ok[:, None] & in_range[None, :]  # [R, BLOCK]
-        p = tl.load(pos_ptr + b * sp_b + kv[:, None] * sp_h + slots[None, :] * sp_s, mask=mask, other=0)
-        logit = tl.load(logit_ptr + heads[:, None] * S + slots[None, :], mask=mask, other=float("-inf"))
-        alpha = tl.where(p >= 0, tl.exp(logit - m[:, None]) * inv_l[:, None], 0.0)  # [R, BLOCK]
-        if VALUE_NORM:
-            alpha *= tl.load(vnorm_ptr + (b * H_KV + kv[:, None]) * S + slots[None, :], mask=mask, other=0.0)
-        score = tl.sum(alpha, axis=0) / (N_KV * G)  # [BLOCK] fp32, the mean over the group's heads
-        if HAS_ACC:  # add into every KV head's column (from its first row); compare the first column
-            a_ptrs = acc_ptr + b * sa_b + kv[:, None] * sa_h + slots[None, :] * sa_s
-            a = tl.load(a_ptrs, mask=mask, other=0.0) + score[None, :]
-            tl.store(a_ptrs, a, mask=mask & (r % G_POW2 == 0)[:, None])
-            score = tl.sum(tl.where((r == 0)[:, None], a, 0.0), axis=0)
-        empty = tl.max((mask & (p < 0)).to(tl.int32), axis=0) > 0
-        protected = mask & (p >= 0) & ((p < n_sink) | (p > newest[:, None] - window))
-        score = tl.where(tl.max(protected.to(tl.int32), axis=0) > 0, float("inf"), score)
-        score = tl.where(empty, float("-inf"), score)
-        score = tl.where(in_range, score, float("inf"))
-        better = score < best  # strict: each lane keeps its earliest (lowest) slot on ties
-        best_slot = tl.where(better, slots, best_slot)
-        best = tl.minimum(best, score)
-    slot = tl.min(tl.where(best == tl.min(best, axis=0), best_slot, S), axis=0).to(tl.int64)
-    kv_out = kvh + tl.arange(0, N_KV_POW2)
-    tl.store(evict_ptr + b * H_KV + kv_out, tl.zeros([N_KV_POW2], tl.int64) + slot, mask=kv_out < kvh + N_KV)
+def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, chunk,
+                 S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
+                 H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr,
+                 NS_PAD: tl.constexpr, CHUNK: tl.constexpr, PER_HEAD: tl.constexpr, PROTECT: tl.constexpr,
+                 HAS_ACC: tl.constexpr):
+    """Score slots chunk*CHUNK .. +CHUNK of row b and lower key[b, kv] to the chunk's best (score, slot)."""
+    kvs = tl.arange(0, KV_POW2)
+    kv = kvs[:, None]  # [KV, 1]
+    g = tl.arange(0, G_POW2)[None, :]  # [1, G]
+    heads = (b * H_KV + kv) * G + g  # [KV, G] flat index into [B, H_q]
+    m, inv_l = _softmax_stats(m_ptr, l_ptr, heads, (kv < H_KV) & (g < G), n_split, NS_PAD)  # [KV, G]
+    slots = chunk * CHUNK + tl.arange(0, CHUNK)[None, :]  # [1, CHUNK]
+    ok = (kv < H_KV) & (slots < S)  # [KV, CHUNK]
+    logit = tl.load(logit_ptr + heads[:, :, None] * S + slots[:, None, :],
+                    mask=(ok[:, None, :] & (g < G)[:, :, None]), other=float("-inf"))  # [KV, G, CHUNK]
+    # alpha (* ||v||_1, folded into the logit by _attend_kernel), averaged over each KV head's query group
+    score = tl.sum(tl.exp(logit - m[:, :, None]) * inv_l[:, :, None], axis=1) / G  # [KV, CHUNK]
+    empty = ok & (tl.max(logit, axis=1) == float("-inf"))  # empty slots have -inf logits, valid ones never
+    if not PER_HEAD:  # one decision per layer: a single row, which broadcasting hands to every KV head
+        score = tl.sum(score, axis=0, keep_dims=True) / H_KV  # [1, CHUNK], the mean over all heads
+        empty = tl.max(empty.to(tl.int32), axis=0, keep_dims=True) > 0
+    if HAS_ACC:  # add into every KV head's row of acc; compare the accumulated score (column 0 per layer)
+        a_ptrs = acc_ptr + b * sa_b + kv * sa_h + slots * sa_s
+        score += tl.load(a_ptrs, mask=ok, other=0.0)  # [KV, CHUNK]
+        tl.store(a_ptrs, score, mask=ok)
+        if not PER_HEAD:
+            score = tl.sum(tl.where(kv == 0, score, 0.0), axis=0, keep_dims=True)
+    if PROTECT:  # never the first n_sink positions nor the last `window` (from the row's newest position)
+        sp = tl.arange(0, NS_PAD)[None, :]
+        newest = tl.load(newest_ptr + (b * H_KV + kv) * n_split + sp, mask=(kv < H_KV) & (sp < n_split), other=-1)
+        newest = tl.max(newest, axis=1)[:, None]  # [KV, 1], the row's newest position over all splits
+        p = tl.load(pos_ptr + b * sp_b + kv * sp_h + slots * sp_s, mask=ok, other=-1)
+        protected = (p >= 0) & ((p < n_sink) | (p > newest - window))
+        if not PER_HEAD:
+            protected = tl.max(protected.to(tl.int32), axis=0, keep_dims=True) > 0
+        score = tl.where(protected, float("inf"), score)
+    score = tl.where(empty, float("-inf"), score)
+    # Pack (score, slot) into one int64 whose signed order is the lexicographic order: the fp32 bits, with
+    # negative floats' magnitude bits flipped, on top; the slot below. The minimum key is then the lowest
+    # score with ties to the lowest slot, whatever order the atomics land in: deterministic.
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(ok, (bits.to(tl.int64) << 32) | slots.to(tl.int64), KEY_MAX)  # [KV, CHUNK]
+    tl.atomic_min(key_ptr + b * H_KV + kvs, tl.min(key, axis=1), mask=kvs < H_KV, sem="relaxed")
 
 
 @triton.jit
-def _combine_select_kernel(
-    pos_ptr, m_ptr, l_ptr, o_ptr, out_ptr, logit_ptr, vnorm_ptr, newest_ptr, acc_ptr, evict_ptr,
-    S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
-    H_KV: tl.constexpr, G: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr, NS_PAD: tl.constexpr,
-    N_KV: tl.constexpr, N_KV_POW2: tl.constexpr, BLOCK: tl.constexpr,
-    COMBINE: tl.constexpr, SELECT: tl.constexpr, VALUE_NORM: tl.constexpr, HAS_ACC: tl.constexpr,
+def _finish_kernel(
+    m_ptr, l_ptr, o_ptr, out_ptr,  # split partials as in _attend_kernel; out [B, H_q, D]
+    logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,  # [B, H_q, S], [B, H_kv, n_split], pos, acc [B, H_kv, S]
+    S, n_split, n_chunks, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
+    H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr,
+    NS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, PER_HEAD: tl.constexpr,
+    PROTECT: tl.constexpr, HAS_ACC: tl.constexpr,
 ):
-    """Program (b, kvh): merge the split partials of KV head kvh into the output; then, if kvh leads a
-    selection group of N_KV KV heads (1 per head, H_KV per layer), pick that group's slot."""
+    """Program (b, c): for c < n_chunks, score chunk c of row b's slots (all KV heads); for the H_kv programs
+    after those (when split), merge the split partials of KV head c - n_chunks into out. One launch for both."""
     b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    if COMBINE:
-        _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV, G, G_POW2, D, NS_PAD)
-    if SELECT:
-        if kvh % N_KV == 0:
-            _select_slot(pos_ptr, m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, acc_ptr, evict_ptr,
-                         b, kvh, S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
-                         H_KV, G, G_POW2, NS_PAD, N_KV, N_KV_POW2, BLOCK, VALUE_NORM, HAS_ACC)
+    c = tl.program_id(1)
+    if c < n_chunks:
+        _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, c,
+                     S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
+                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, HAS_ACC)
+    elif SPLIT:
+        _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, c - n_chunks, n_split, H_KV, G, G_POW2, D, NS_PAD)
 
 
 @functools.cache
@@ -233,16 +249,33 @@ def _split_count(n_programs: int, n_blocks: int, device: torch.device) -> int:
     return max(1, min(n_blocks, triton.cdiv(2 * _sm_count(device), n_programs)))
 
 
+def _chunk_size(B: int, S: int, device: torch.device) -> int:
+    """Slots per scoring program: 128, halved (down to 32) until the B x chunks grid covers two waves."""
+    chunk = 128
+    while chunk > 32 and B * triton.cdiv(S, chunk) < 2 * _sm_count(device):
+        chunk //= 2
+    return chunk
+
+
 @torch.library.triton_op("tinyflow::decode_attention", mutates_args={"acc"})
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
-                         window: int, select: bool, value_norm: bool,
-                         acc: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                         window: int, select: bool, value_norm: bool, acc: Optional[Tensor],
+                         limit: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which
     # torch.compile functionalises like any mutated input; None simply means nothing is mutated.
+    #
+    # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
+    # selection, one torch op to unpack the slots (under torch.compile it fuses into whatever reads evict).
+    # So 1 (no split) or 2 (split) without selection, 3 with it (2 compiled).
+    # Bytes at batch 64 (bf16, H_q 32, H_kv 8, D 128, S 3200, so no split), for checking GPU timings:
+    #   attend: K and V 839 MB + pos 6.6 MB + q and out 1 MB, + with selection the logits 26.2 MB written;
+    #   finish: the logits 26.2 MB read (+ pos 6.6 MB with sink/window, + acc 6.6 MB read and 6.6 written).
+    #   Selection adds 52 MB (+6%, ~12 us at 4.3 TB/s) to attention alone; at batch 256, 210 MB (~50 us).
     B, H_q, D = q.shape
     _, H_kv, S, _ = k.shape
     G = H_q // H_kv
     assert H_q % H_kv == 0 and D == triton.next_power_of_2(D) and pos.shape == (B, H_kv, S)
+    assert limit is None or not select, "limit is for caches without selection (they fill in order)"
     BLOCK_S = 64 if D <= 128 else 32
     n_blocks = triton.cdiv(S, BLOCK_S)
     n_split = _split_count(B * H_kv, n_blocks, q.device)
@@ -256,30 +289,30 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     m = torch.empty(B, H_q, n_split, **f32) if split or select else unused
     l = torch.empty(B, H_q, n_split, **f32) if split or select else unused
     o = torch.empty(B, H_q, n_split, D, **f32) if split else unused
-    logits = torch.empty(B, H_q, S, **f32) if select else unused
-    vnorm = torch.empty(B, H_kv, S, **f32) if select and value_norm else unused
+    logits = torch.empty(B, H_q, S, **f32) if select else unused  # (+ log ||v||_1); -inf for empty slots
     newest = torch.empty(B, H_kv, n_split, device=q.device, dtype=torch.int32) if select else unused
+    key = torch.empty(B, H_kv, device=q.device, dtype=torch.int64)  # packed (score, slot), or -1
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
-        q, k, v, pos, out, m, l, o, logits, vnorm, newest, S, chunk, 1.0 / math.sqrt(D),
+        q, k, v, pos, out, m, l, o, logits, newest, key, unused if limit is None else limit, S, chunk,
         *q.stride(), *k.stride(), *v.stride(), *pos.stride(),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
-        SPLIT=split, SELECT=select, VALUE_NORM=value_norm, num_warps=4, num_stages=3)
+        SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, VALUE_NORM=value_norm, HAS_LIMIT=limit is not None,
+        num_warps=4, num_stages=3)
 
-    evict = torch.empty(B, H_kv, device=q.device, dtype=torch.int64) if select else \
-        torch.full((B, H_kv), -1, device=q.device, dtype=torch.int64)
     if split or select:
-        n_kv = 1 if per_head else H_kv  # KV heads per selection group
-        rows = triton.next_power_of_2(n_kv) * triton.next_power_of_2(G)
-        torch.library.wrap_triton(_combine_select_kernel)[(B, H_kv)](
-            pos, m, l, o, out, logits, vnorm, newest, unused if acc is None else acc, evict,
-            S, n_split, n_sink, window, *pos.stride(), *(acc.stride() if acc is not None else (0, 0, 0)),
-            H_KV=H_kv, G=G, G_POW2=triton.next_power_of_2(G), D=D, NS_PAD=triton.next_power_of_2(n_split),
-            N_KV=n_kv, N_KV_POW2=triton.next_power_of_2(n_kv), BLOCK=max(16, min(1024, 4096 // rows)),
-            COMBINE=split, SELECT=select, VALUE_NORM=value_norm, HAS_ACC=acc is not None, num_warps=8)
-    return out, evict
+        CHUNK = _chunk_size(B, S, q.device)
+        n_chunks = triton.cdiv(S, CHUNK) if select else 0
+        torch.library.wrap_triton(_finish_kernel)[(B, n_chunks + (H_kv if split else 0))](
+            m, l, o, out, logits, newest, pos, unused if acc is None else acc, key,
+            S, n_split, n_chunks, n_sink, window, *pos.stride(), *(acc.stride() if acc is not None else (0,) * 3),
+            H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
+            NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
+            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, num_warps=4)
+    return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
 
 
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                     acc=None):
+                     acc=None, limit=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
-    return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc)
+    return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
+                                               limit)

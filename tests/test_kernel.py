@@ -2,6 +2,10 @@
 reference against the LongFlow formula written out by hand."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -188,6 +192,120 @@ def test_protected_sink_and_recent_tokens_are_never_chosen(fn, per_head):
     assert fn(q, k, v, pos, per_head=per_head, n_sink=2, window=2)[1].tolist() == [[slot_of[2]] * 2]
 
 
+@pytest.fixture(params=["split", "no_split"])
+def chunked(request, monkeypatch):
+    """Score 16 slots per program (so 100 slots make 7 chunks, the last one of 4), with the slots split
+    across attention programs or not."""
+    monkeypatch.setattr(kernel, "_chunk_size", lambda *_: 16)
+    if request.param == "no_split":
+        monkeypatch.setattr(kernel, "_split_count", lambda *_: 1)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+def test_winner_in_the_last_chunk(chunked, per_head):
+    q, k, v, pos = hand_made(S=100)
+    v[:, :, 98] = 0.5
+    v[:, 1, 97] = 0.25  # KV head 1 alone prefers slot 97; over the layer, 98 (0.5) beats 97 (0.625)
+    want = [[98, 97]] if per_head else [[98, 98]]
+    assert kernel.decode_attention(q, k, v, pos, per_head=per_head)[1].tolist() == want
+    assert kernel.decode_attention_ref(q, k, v, pos, per_head=per_head)[1].tolist() == want
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+def test_tie_across_chunks_goes_to_the_lowest_slot(chunked, per_head):
+    q, k, v, pos = hand_made(S=100)
+    v[:, :, [83, 20, 50]] = 0.5  # chunks 5, 1 and 3 tie (bit for bit: the same values in every head)
+    v[:, 1, [90, 40]] = 0.25  # KV head 1 only: chunks 5 and 2 tie; over the layer they score 0.625
+    want = [[20, 40]] if per_head else [[20, 20]]
+    assert kernel.decode_attention(q, k, v, pos, per_head=per_head)[1].tolist() == want
+    assert kernel.decode_attention_ref(q, k, v, pos, per_head=per_head)[1].tolist() == want
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+@pytest.mark.parametrize("full", [99, 0])
+def test_all_empty_but_one(chunked, per_head, full):
+    q, k, v, pos = make_inputs(1, 8, 2, 100, 64, seed=3)
+    pos[:] = -1
+    pos[:, :, full] = 5
+    got, want = kernel.decode_attention(q, k, v, pos, per_head=per_head), \
+        kernel.decode_attention_ref(q, k, v, pos, per_head=per_head)
+    assert_same(got, want)
+    assert got[1].tolist() == [[1 if full == 0 else 0] * 2]  # the first empty slot
+    torch.testing.assert_close(got[0], v[:, :, full].repeat_interleave(4, 1))  # attends to the one full slot
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+def test_accumulated_scores_over_chunks(chunked, per_head):
+    """Several chunks, 3 KV heads (padded to 4 rows), sink and window, and an acc that starts below zero
+    (negative scores must order correctly in the packed keys)."""
+    _, k, v, pos = make_inputs(2, 6, 3, 100, 64, n_empty=3, seed=4)
+    acc_triton = -torch.rand(2, 3, 100, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 1e-2
+    acc_ref = acc_triton.clone()
+    for step in range(2):
+        q = make_inputs(2, 6, 3, 100, 64, seed=20 + step)[0]
+        options = dict(per_head=per_head, n_sink=3, window=4)
+        assert_same(kernel.decode_attention(q, k, v, pos, acc=acc_triton, **options),
+                    kernel.decode_attention_ref(q, k, v, pos, acc=acc_ref, **options))
+        torch.testing.assert_close(acc_triton, acc_ref, atol=1e-6, rtol=1e-5)
+
+
+# torch.compile hands a user kernel's float arguments to Triton as fp64 and its ints possibly as int64; the
+# Triton frontend then rejects a loop whose carried values change type (fp32 * fp64 -> fp64). The frontend
+# needs no GPU but cannot run under the interpreter, hence a fresh process.
+FRONTEND = textwrap.dedent("""
+    import torch
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+    import kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
+
+    def inductor_type(x):
+        if isinstance(x, torch.Tensor):
+            return "*" + POINTEE[x.dtype]
+        return "i1" if isinstance(x, bool) else "fp64" if isinstance(x, float) else "i64"
+
+    class Frontend:  # stands in for wrap_triton: builds each launched kernel's IR instead of running it
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps=4, num_stages=3, **constexprs):
+                names = self.fn.arg_names
+                types = {n: inductor_type(a) for n, a in zip(names, args)}
+                types.update(dict.fromkeys(constexprs, "constexpr"))
+                consts = {(names.index(n),): c for n, c in constexprs.items()}
+                codegen, modules = backend.get_codegen_implementation(options), backend.get_module_map()
+                ASTSource(self.fn, types, consts).make_ir(target, options, codegen, modules, context)
+                print(self.fn.__name__)
+            return launch
+
+    torch.library.wrap_triton = Frontend
+    q, k, v = torch.zeros(1, 8, 64), torch.zeros(1, 2, 300, 64), torch.zeros(1, 2, 300, 64)
+    pos, acc = torch.zeros(1, 2, 300), torch.zeros(1, 2, 300)
+    split_count = kernel._split_count
+    for kw in [{}, dict(per_head=True, n_sink=2, window=3, acc=acc), dict(n_sink=2, acc=acc),
+               dict(select=False), dict(per_head=True, value_norm=False)]:
+        for kernel._split_count in (split_count, lambda *_: 1):
+            kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pos.int(), **kw)
+""")
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU test_compiles_with_fullgraph_and_updates_acc compiles for real")
+def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.abspath(kernel.__file__)))
+    run = subprocess.run([sys.executable, "-c", FRONTEND], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split().count("_attend_kernel") == 10 and run.stdout.split().count("_finish_kernel") == 9
+
+
 @gpu_only
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("B, S", [(1, 3200), (64, 1000)])
@@ -212,3 +330,16 @@ def test_compiles_with_fullgraph_and_updates_acc():
     acc, acc_ref = torch.zeros(2, 2, 300, device=DEVICE), torch.zeros(2, 2, 300, device=DEVICE)
     assert_same(step(q, acc), kernel.decode_attention_ref(q, k, v, pos, acc=acc_ref))
     torch.testing.assert_close(acc, acc_ref)
+
+
+@pytest.mark.parametrize("B, S", [(1, 300), (3, 70)])  # split and not split
+def test_limit_reads_only_the_filled_prefix(B, S):
+    """A cache that fills in order passes limit = filled slots: the result equals the same cache with
+    everything from the limit on marked empty, even though those slots hold data (here: huge values)."""
+    q, k, v, pos = make_inputs(B, 8, 2, S, 64)
+    limit = torch.randint(1, S + 1, (B, 1), device=DEVICE).expand(B, 2).contiguous()
+    beyond = torch.arange(S, device=DEVICE) >= limit[..., None]  # [B, H_kv, S]
+    v = v.masked_fill(beyond[..., None], 1e4)
+    want = kernel.decode_attention_ref(q, k, v, pos.masked_fill(beyond, -1), select=False)
+    assert_same(kernel.decode_attention(q, k, v, pos, select=False, limit=limit), want)
+    assert_same(kernel.decode_attention_ref(q, k, v, pos, select=False, limit=limit), want)
