@@ -78,7 +78,7 @@ def graph_time(fn, reps: int = 20, rounds: int = 15) -> float:
 
 
 # ---- the fused kernel --------------------------------------------------------------------------------
-def bench_kernel(args, bw):
+def bench_kernel(args, bw, _):
     """Attention over S full slots, Qwen3-8B heads: Triton with / without selection, against SDPA. Several
     input sets rotate so that small batches are not served from the 60 MB L2 cache."""
     Hq, Hkv, D, S = 32, 8, 128, args.slots
@@ -149,6 +149,18 @@ class StepTimer:
             self.stepper()
         return (sync_time(self.device) - t) / steps
 
+    def profile(self, path=None, steps: int = 3):
+        """The kernels of a few compiled steps (run outside the graph), slowest first."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                self.stepper.fn(*self.stepper.args)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+        print(table)
+        if path:
+            prof.export_chrome_trace(path)
+
     def kv_bytes_read(self, filled: int) -> int:
         """LongFlow reads every slot; the full cache reads the slots filled so far."""
         read = self.slots if self.policy != "full" else filled
@@ -162,11 +174,12 @@ class StepTimer:
 
 def fill_cache(cache: KVCache, filled: int):
     """Random K/V in the first `filled` slots of every layer and sequence, positions 0..filled-1."""
-    cache.k.normal_()
-    cache.v.normal_()
-    cache.pos.fill_(-1)
-    cache.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=cache.pos.device)
-    cache.next_slot.fill_(min(filled, cache.slots - 1))
+    for k, v, pos, next_slot in zip(cache.k, cache.v, cache.pos, cache.next_slot):
+        k.normal_()
+        v.normal_()
+        pos.fill_(-1)
+        pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=pos.device)
+        next_slot.fill_(min(filled, cache.slots - 1))
 
 
 def step_row(timer: StepTimer, filled: int, bw: float, **extra) -> dict:
@@ -190,6 +203,8 @@ def bench_step(args, bw, model):
             timer = StepTimer(model, policy, B, slots, args.compile)
             rows.append(step_row(timer, args.budget if policy != "full" else args.context, bw, workload="step"))
             progress(rows[-1])
+            if args.profile:
+                timer.profile()
             timer.free()
     return rows
 
@@ -339,6 +354,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=16384)
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--profile", action="store_true", help="step: print the step's slowest kernels")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
     args = p.parse_args()

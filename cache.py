@@ -95,16 +95,18 @@ def hash32(x):
 class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
                  prompt_rule: str = "snapkv"):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots)
-        self.k = torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype)  # [L, B, H_kv, S, D]
-        self.v = torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype)  # [L, B, H_kv, S, D]
-        self.pos = torch.full(shape, -1, device=device, dtype=torch.int32)  # [L, B, H_kv, S]
-        self.next_slot = torch.zeros(shape[:3], device=device, dtype=torch.int64)  # [L, B, H_kv]
+        # One tensor per layer, not slices of one [L, ...] tensor: the compiled step then updates each in
+        # place, where a mutated slice of a larger input would be copied whole, every layer, every step.
+        shape, layers = (batch, cfg.n_kv_heads, slots), range(cfg.n_layers)
+        self.k = [torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype) for _ in layers]  # [B, H_kv, S, D]
+        self.v = [torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype) for _ in layers]  # [B, H_kv, S, D]
+        self.pos = [torch.full(shape, -1, device=device, dtype=torch.int32) for _ in layers]  # [B, H_kv, S]
+        self.next_slot = [torch.zeros(shape[:2], device=device, dtype=torch.int64) for _ in layers]  # [B, H_kv]
         self.policy = resolve_policy(policy, slots) if isinstance(policy, str) else policy
         self.prompt_rule, self.slots = prompt_rule, slots
         # per-slot history beside the cache (fp32): accumulated scores, or each key's norm for knorm
         keeps_score = self.policy.accumulate or self.policy.rule == "knorm"
-        self.score = torch.zeros(shape if keeps_score else (1, 1, 1, 1), device=device)  # [L, B, H_kv, S]
+        self.score = [torch.zeros(shape if keeps_score else (1, 1, 1), device=device) for _ in layers]  # [B, H_kv, S]
 
     @staticmethod
     def bytes_needed(cfg, batch: int, slots: int, dtype) -> int:
@@ -112,8 +114,9 @@ class KVCache:
         return cfg.n_layers * batch * cfg.n_kv_heads * slots * per_slot
 
     def reset(self):
-        self.pos.fill_(-1)
-        self.next_slot.zero_()
+        for pos, next_slot in zip(self.pos, self.next_slot):
+            pos.fill_(-1)
+            next_slot.zero_()
 
     # ---- decode: one token per sequence -------------------------------------------------------------
     def decode(self, layer: int, q, k, v, positions):
@@ -168,16 +171,16 @@ class KVCache:
             k, v = k.gather(2, at), v.gather(2, at)
             positions = positions[:, None].expand(R, H, T).gather(2, keep)  # [R, H_kv, S-1]
             T = S - 1
-        self.pos[layer, rows] = -1  # a reused row forgets its previous sequence
-        self.k[layer, rows, :, :T] = k
-        self.v[layer, rows, :, :T] = v
-        self.pos[layer, rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
+        self.pos[layer][rows] = -1  # a reused row forgets its previous sequence
+        self.k[layer][rows, :, :T] = k
+        self.v[layer][rows, :, :T] = v
+        self.pos[layer][rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
         if self.policy.accumulate:  # scores accumulate from the first decode step on
-            self.score[layer, rows] = 0.0
+            self.score[layer][rows] = 0.0
         if self.policy.rule == "knorm":
-            self.score[layer, rows, :, :T] = k.float().norm(dim=-1)
+            self.score[layer][rows, :, :T] = k.float().norm(dim=-1)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
-        self.next_slot[layer, rows] = (self.pos[layer, rows] >= 0).sum(-1)
+        self.next_slot[layer][rows] = (self.pos[layer][rows] >= 0).sum(-1)
         return out
 
     def prompt_keep(self, layer: int, q, k, v, positions, n_keep: int):

@@ -49,13 +49,14 @@ def run_steps(model, cache, tokens, steps):
 def test_small_budget_keeps_slot_count_and_evicts_one_token_per_step_and_layer(qwen3, policy):
     model, tok = qwen3
     cache = KVCache(model.cfg, 3, 40, "cpu", torch.float32, policy)
-    k_ptr = cache.k.data_ptr()
+    k_ptr = cache.k[0].data_ptr()
     before = None
     evictions = 0
     for c in run_steps(model, cache, prompts_of(tok), 60):
-        assert c.k.shape[3] == 40 and c.k.data_ptr() == k_ptr  # never grows, never reallocates
-        held = [[[set(c.pos[l, b, h][c.pos[l, b, h] >= 0].tolist()) for h in range(c.pos.shape[2])]
-                 for b in range(3)] for l in range(c.pos.shape[0])]
+        assert c.k[0].shape[2] == 40 and c.k[0].data_ptr() == k_ptr  # never grows, never reallocates
+        pos = torch.stack(c.pos)  # [L, B, H_kv, S]
+        held = [[[set(pos[l, b, h][pos[l, b, h] >= 0].tolist()) for h in range(pos.shape[2])]
+                 for b in range(3)] for l in range(pos.shape[0])]
         if before is not None:
             for l, rows in enumerate(held):
                 for b, heads in enumerate(rows):
@@ -70,7 +71,7 @@ def test_small_budget_keeps_slot_count_and_evicts_one_token_per_step_and_layer(q
         before = held
     assert evictions > 0
     if policy == "longflow":  # one decision per layer: every KV head holds the same tokens
-        assert (cache.pos == cache.pos[:, :, :1]).all()
+        assert all((p == p[:, :1]).all() for p in cache.pos)
 
 
 def test_small_budget_greedy_output_is_identical_across_runs(qwen3):
@@ -87,12 +88,12 @@ def test_long_prompt_is_compressed_to_budget_minus_one_keeping_the_last_32(qwen3
     long, short = list(torch.randint(0, 300, (120,)).tolist()), [5, 6, 7]
     next(run_steps(model, cache, [long, short], 1))
     # after prefill + one step: row 0 held budget - 1 prompt tokens and then took the new token
-    for l in range(cache.pos.shape[0]):
-        for h in range(cache.pos.shape[2]):
-            held = cache.pos[l, 0, h].tolist()
+    for pos in cache.pos:
+        for h in range(pos.shape[1]):
+            held = pos[0, h].tolist()
             assert len([p for p in held if p >= 0]) == budget
             assert set(range(120 - SNAPKV_WINDOW, 121)) <= set(held)  # the window and the new token
-            assert sorted(p for p in cache.pos[l, 1, h].tolist() if p >= 0) == [0, 1, 2, 3]  # short row kept
+            assert sorted(p for p in pos[1, h].tolist() if p >= 0) == [0, 1, 2, 3]  # short row kept
 
 
 def test_snapkv_keeps_the_centre_of_what_the_window_attends_to():
@@ -134,9 +135,10 @@ def test_long_bf16_run_on_the_gpu_keeps_the_budget_and_stays_finite(checkpoints)
     outs, _ = engine.generate([tok.encode("Hello world"), tok.encode("The quick brown fox")], 3000, [],
                               budget=64)
     assert [len(o) for o in outs] == [3000, 3000]
-    assert ((engine.cache.pos >= 0).sum(-1) == 64).all()
-    assert torch.isfinite(engine.cache.k).all() and torch.isfinite(engine.cache.v).all()
-    held = engine.cache.pos[:, 0, 0]  # [L, S]: after 3,000 steps the newest token is always held
+    pos = torch.stack(engine.cache.pos)  # [L, B, H_kv, S]
+    assert ((pos >= 0).sum(-1) == 64).all()
+    assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(engine.cache.k, engine.cache.v))
+    held = pos[:, 0, 0]  # [L, S]: after 3,000 steps the newest token is always held
     assert (held.max(-1).values == len(tok.encode("Hello world")) + 3000 - 2).all()
 
 
@@ -150,10 +152,10 @@ def full_cache(policy, S=8, n_q=2):
     new token goes into slot S-1 (its token is evicted), so slots 0..S-2 hold positions 0..S-2."""
     p = replace(POLICIES[policy], window=0) if isinstance(POLICIES[policy].window, float) else POLICIES[policy]
     cache = KVCache(Tiny, 1, S, "cpu", torch.float32, p)
-    cache.pos[:] = torch.arange(S, dtype=torch.int32)
-    cache.k[:] = 0.0
-    cache.v[:] = 1.0
-    cache.next_slot[:] = S - 1
+    cache.pos[0][:] = torch.arange(S, dtype=torch.int32)
+    cache.k[0][:] = 0.0
+    cache.v[0][:] = 1.0
+    cache.next_slot[0][:] = S - 1
     q = torch.zeros(1, n_q, 4)
     k = torch.zeros(1, 2, 4)
     v = torch.ones(1, 2, 4)
@@ -162,7 +164,7 @@ def full_cache(policy, S=8, n_q=2):
 
 def step(cache, q, k, v, positions):
     cache.decode(0, q, k, v, positions)
-    return cache.next_slot[0, 0].tolist()  # [H_kv]: both heads, one decision per layer or per head
+    return cache.next_slot[0][0].tolist()  # [H_kv]: both heads, one decision per layer or per head
 
 
 def test_streaming_evicts_the_oldest_token_after_the_four_sinks():
@@ -172,8 +174,8 @@ def test_streaming_evicts_the_oldest_token_after_the_four_sinks():
 
 def test_knorm_evicts_the_largest_key_norm():
     cache, *args = full_cache("knorm")
-    cache.k[0, 0, :, 2] = 3.0  # slot 2 has the largest key in both heads
-    cache.score[0, 0] = cache.k[0, 0].norm(dim=-1)  # norms are recorded when keys are written
+    cache.k[0][0, :, 2] = 3.0  # slot 2 has the largest key in both heads
+    cache.score[0][0] = cache.k[0][0].norm(dim=-1)  # norms are recorded when keys are written
     assert step(cache, *args) == [2, 2]
 
 
@@ -183,25 +185,25 @@ def test_longflow_evicts_a_zero_value_that_tova_keeps():
     for policy, want in (("longflow", 3), ("tova", 0)):
         cache, q, k, v, positions = full_cache(policy)
         q[..., 0] = 4.0
-        cache.k[0, 0, :, 3, 0] = 2.0  # q . k_3 is large
-        cache.v[0, 0, :, 3] = 0.0
+        cache.k[0][0, :, 3, 0] = 2.0  # q . k_3 is large
+        cache.v[0][0, :, 3] = 0.0
         assert step(cache, q, k, v, positions) == [want, want], policy
 
 
 def test_h2o_keeps_a_token_that_was_attended_before_even_when_not_now():
     cache, q, k, v, positions = full_cache("h2o")
     q[..., 0] = 4.0
-    cache.k[0, 0, :, 5, 0] = 2.0  # slot 5 is the heavy hitter of the first step
+    cache.k[0][0, :, 5, 0] = 2.0  # slot 5 is the heavy hitter of the first step
     assert step(cache, q, k, v, positions) == [0, 0]  # slot 0 is among the least attended
-    cache.k[0, 0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
+    cache.k[0][0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
     q2 = q.clone()
     assert 5 not in step(cache, q2, k, v, positions + 1)  # ... but its accumulated score keeps it
-    assert cache.score[0, 0, :, 5].min() > cache.score[0, 0, :, 6].max()
+    assert cache.score[0][0, :, 5].min() > cache.score[0][0, :, 6].max()
 
 
 def test_vatp_never_evicts_its_twenty_sinks():
     cache, q, k, v, positions = full_cache("vatp", S=24)
-    cache.v[0, 0, :, 7] = 0.0  # the lowest score sits in a sink
+    cache.v[0][0, :, 7] = 0.0  # the lowest score sits in a sink
     assert step(cache, q, k, v, positions) == [20, 20]  # the first non-sink of equal score
 
 
@@ -220,7 +222,7 @@ def test_every_policy_keeps_the_budget_and_repeats_itself(qwen3, policy):
     engine = Engine(model, compile=False)
     runs = [engine.generate(prompts_of(tok), 50, [], budget=40, policy=policy)[0] for _ in range(2)]
     assert runs[0] == runs[1]
-    assert ((engine.cache.pos >= 0).sum(-1) == 40).all()
+    assert all(((p >= 0).sum(-1) == 40).all() for p in engine.cache.pos)
 
 
 @pytest.mark.parametrize("rule", ["snapkv", "streaming", "decode"])
@@ -230,7 +232,7 @@ def test_every_prompt_compression_keeps_budget_minus_one_prompt_tokens(qwen3, ru
     cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, prompt_rule=rule), rule)
     prompt = torch.randint(0, 300, (1, 90))
     model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
-    held = cache.pos[:, 0] >= 0  # [L, H_kv, S]
+    held = torch.stack(cache.pos)[:, 0] >= 0  # [L, H_kv, S]
     assert (held.sum(-1) == 39).all() and not held[..., 39].any()
     if rule == "streaming":
-        assert sorted(cache.pos[0, 0, 0, :39].tolist()) == [0, 1, 2, 3] + list(range(55, 90))
+        assert sorted(cache.pos[0][0, 0, :39].tolist()) == [0, 1, 2, 3] + list(range(55, 90))
