@@ -124,13 +124,14 @@ class KVCache:
         p = self.policy
         slot = self.next_slot[layer]  # [B, H_kv]
         B, H, D = k.shape
-        at = slot[:, :, None, None].expand(B, H, 1, D)
-        self.k[layer].scatter_(2, at, k[:, :, None])
-        self.v[layer].scatter_(2, at, v[:, :, None])
-        self.pos[layer].scatter_(2, slot[:, :, None], positions.int()[:, None, None].expand(B, H, 1))
+        # (row, head, slot) index triples: index_put_ is what the compiler turns into an in-place store
+        at = (torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :], slot)
+        self.k[layer].index_put_(at, k)
+        self.v[layer].index_put_(at, v)
+        self.pos[layer].index_put_(at, positions.int()[:, None].expand(B, H))
         if p.accumulate or p.rule == "knorm":  # the new token's history starts now
             fresh = k.float().norm(dim=-1) if p.rule == "knorm" else torch.zeros(B, H, device=k.device)
-            self.score[layer].scatter_(2, slot[:, :, None], fresh[:, :, None])
+            self.score[layer].index_put_(at, fresh)
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
         scored = p.rule == "kernel"
         # a cache that fills in order (full) reads only the slots filled so far

@@ -138,8 +138,8 @@ def test_long_bf16_run_on_the_gpu_keeps_the_budget_and_stays_finite(checkpoints)
     pos = torch.stack(engine.cache.pos)  # [L, B, H_kv, S]
     assert ((pos >= 0).sum(-1) == 64).all()
     assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(engine.cache.k, engine.cache.v))
-    held = pos[:, 0, 0]  # [L, S]: after 3,000 steps the newest token is always held
-    assert (held.max(-1).values == len(tok.encode("Hello world")) + 3000 - 2).all()
+    held = pos[:, 0, 0]  # [L, S]: the newest token written (steps run in chunks, so a few past 3,000)
+    assert (held.max(-1).values == engine.state.positions[0] - 1).all()
 
 
 # ---- the policy family: each rule's choice on inputs where the right answer is obvious ---------------
