@@ -94,6 +94,7 @@ def bench_kernel(args, bw, _):
         variants = {
             "longflow": lambda q, k, v, p: kernel.decode_attention(q, k, v, p),
             "longflow-head": lambda q, k, v, p: kernel.decode_attention(q, k, v, p, per_head=True),
+            "tova (no value norm)": lambda q, k, v, p: kernel.decode_attention(q, k, v, p, value_norm=False),
             "no selection": lambda q, k, v, p: kernel.decode_attention(q, k, v, p, select=False),
             "torch SDPA": lambda q, k, v, p: F.scaled_dot_product_attention(
                 q[:, :, None], k, v, enable_gqa=True),
