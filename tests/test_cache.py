@@ -236,3 +236,16 @@ def test_every_prompt_compression_keeps_budget_minus_one_prompt_tokens(qwen3, ru
     assert (held.sum(-1) == 39).all() and not held[..., 39].any()
     if rule == "streaming":
         assert sorted(cache.pos[0][0, 0, :39].tolist()) == [0, 1, 2, 3] + list(range(55, 90))
+
+
+def test_compiled_decode_writes_the_cache_in_place():
+    """The compiled step must store the new token into the existing K/V tensors, never build a copy of
+    a layer's cache (a copy would double the memory traffic of every step: seen once with scatter_)."""
+    from torch._inductor.utils import run_and_get_code
+    cache = KVCache(Tiny, 2, 1000, "cpu", torch.float32, "longflow")
+    q, k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    step = torch.compile(lambda: cache.decode(0, q, k, v, torch.tensor([5, 6])), fullgraph=True)
+    _, (code,) = run_and_get_code(step)
+    copies = [line for line in code.splitlines() if "empty_strided" in line and "(2, 2, 1000, 4)" in line]
+    assert not copies, copies
+    assert cache.k[0][:, :, 0].eq(k).all() and cache.pos[0][:, :, 0].tolist() == [[5, 5], [6, 6]]
