@@ -168,7 +168,7 @@ class StepTimer:
         return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype)
 
     def free(self):
-        del self.stepper, self.cache, self.state
+        self.stepper = self.cache = self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -233,12 +233,28 @@ def bench_throughput(args, bw, model):
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
                              floor_fraction=floor_ms / ms, peak_gib=steps[-1]["peak_gib"],
                              compile_s=timer.compile_s))
+            if args.validate:
+                rows[-1].update(validate(args, model, timer, policy, B))
             progress(rows[-1])
             timer.free()
     by = {r["policy"]: r["tokens_per_s"] for r in rows}
     if "longflow" in by and "full" in by:
         print(f"longflow / full throughput: {by['longflow'] / by['full']:.2f}x")
     return rows
+
+
+def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
+    """Check the method once against reality: a real run of --validate new tokens through the engine
+    (prefill, graph replays, host syncs) against the step time predicted for the same fills."""
+    n = args.validate
+    fills = [args.prompt_len, args.prompt_len + n] if policy == "full" else [args.budget]
+    predicted = run_mean([timer.seconds_per_step(f) for f in fills])
+    timer.free()  # the engine allocates its own cache of the same size
+    prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
+    engine = Engine(model, compile=args.compile)
+    _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0, batch_size=B)
+    steps = -(-(n - 1) // engine.sync_every) * engine.sync_every  # the engine steps in whole sync chunks
+    return dict(validate_tokens=n, predicted_ms_per_step=predicted * 1e3, real_ms_per_step=st.decode_s / steps * 1e3)
 
 
 def run_mean(values: list[float]) -> float:
@@ -356,6 +372,8 @@ def main():
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--profile", action="store_true", help="step: print the step's slowest kernels")
+    p.add_argument("--validate", type=int, default=0,
+                   help="throughput: also run this many new tokens end to end and compare with the prediction")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
     args = p.parse_args()

@@ -12,7 +12,7 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
         out = tmp_path / f"{workload}.json"
         r = subprocess.run([sys.executable, "bench.py", workload, "--shape", "tiny", "--device", "cpu",
                             "--no-compile", "--batch", "2", "--new-tokens", "24", "--budget", "40",
-                            "--prompt-len", "80", "--json", str(out)],
+                            "--prompt-len", "80", "--validate", "20", "--json", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         rows = json.loads(out.read_text())["rows"]
@@ -21,5 +21,6 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert {row["policy"] for row in rows} == {"longflow", "full"}
             assert all(row["tokens_per_s"] > 0 and 0 < row["floor_fraction"] for row in rows)
             assert "longflow / full throughput" in r.stdout
+            assert all(row["real_ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0 for row in rows)
         else:
             assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
