@@ -413,6 +413,8 @@ def run(args):
 
     def stream(new_ids):  # print the text decoded so far, past what is already on screen
         out = tok.decode(new_ids)
+        if out.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+            return
         print(out[len(printed[0]) if printed else 0:], end="", flush=True)
         printed[:] = [out]
 
