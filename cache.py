@@ -31,7 +31,8 @@ class Policy:
     value_norm: bool = True  # kernel rules: score alpha * ||v||_1 (LongFlow) or alpha alone (TOVA)
     accumulate: bool = False  # kernel rules: rank by the score summed over all steps so far (H2O, VATP)
     n_sink: int = 0  # the first n_sink positions are never evicted
-    window: float = 0  # the most recent tokens are never evicted: a count, or a fraction of the non-sink budget
+    window: int = 0  # nor the `window` most recent tokens
+    window_share: float = 0  # default window: this share of the budget left after the sinks
 
 
 POLICIES = {
@@ -42,13 +43,14 @@ POLICIES = {
     # TOVA (Oren et al. 2024): the current query's attention averaged over the heads of the layer
     "tova": Policy("kernel", value_norm=False),
     # H2O (Zhang et al. 2023): attention accumulated over every step, per head; half the budget recent
-    "h2o": Policy("kernel", per_head=True, value_norm=False, accumulate=True, window=0.5),
+    "h2o": Policy("kernel", per_head=True, value_norm=False, accumulate=True, window_share=0.5),
     # VATP (Guo et al. 2024): H2O's accumulated attention times ||v_i||_1; the first 20 tokens are sinks,
     # half of the rest recent
-    "vatp": Policy("kernel", per_head=True, accumulate=True, n_sink=20, window=0.5),
+    "vatp": Policy("kernel", per_head=True, accumulate=True, n_sink=20, window_share=0.5),
     # StreamingLLM (Xiao et al. 2024): 4 attention sinks and the most recent tokens
     "streaming": Policy("oldest", n_sink=4),
-    # sanity baselines: a seeded random slot; the largest key norm (Devoto et al. 2024 keep low norms)
+    # sanity baselines: a fixed pseudo-random slot (a hash of position and layer); the largest key norm
+    # (Devoto et al. 2024 keep the keys of low norm)
     "random": Policy("random"),
     "knorm": Policy("knorm"),
 }
@@ -70,8 +72,7 @@ def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, win
     p = POLICIES[name]
     n_sink = p.n_sink if n_sink is None else n_sink
     if window is None:
-        # a fraction: of the slots that are not sinks
-        window = int(p.window * (budget - n_sink)) if isinstance(p.window, float) and budget else int(p.window)
+        window = int(p.window_share * (budget - n_sink)) if p.window_share and budget else p.window
     need = max(SNAPKV_WINDOW, n_sink + window) + 1
     if budget is not None and p.rule != "fill" and budget < need:
         raise ValueError(f"budget {budget} is too small: the {n_sink} sink + {window} recent protected "
@@ -90,6 +91,11 @@ def hash32(x):
     for mul in (0x7FEB352D, 0x846CA68B):
         x = ((x ^ (x >> 16)) * mul) & MASK32
     return x ^ (x >> 16)
+
+
+def random_score(pos, layer: int):
+    """The `random` rule's eviction score: a hash of (position, layer), so runs repeat themselves."""
+    return hash32(pos.long() * 0x9E3779B1 + layer).float()
 
 
 class KVCache:
@@ -139,8 +145,10 @@ class KVCache:
                             n_sink=p.n_sink, window=p.window, select=scored, value_norm=p.value_norm,
                             acc=self.score[layer] if p.accumulate else None,
                             limit=slot + 1 if p.rule == "fill" else None)
-        if p.rule == "fill":  # sized for every token, so slots fill in order (a finished sequence that
-            evict = (slot + 1).clamp(max=self.slots - 1)  # steps on until its row is reused rewrites its last)
+        # a full cache is sized for every token, so slots fill in order; a finished sequence that steps on
+        # until its row is reused just rewrites its last slot
+        if p.rule == "fill":
+            evict = (slot + 1).clamp(max=self.slots - 1)
         elif not scored:
             evict = self.choose_in_torch(layer)
         self.next_slot[layer].copy_(evict)
@@ -152,8 +160,8 @@ class KVCache:
         p, pos = self.policy, self.pos[layer]  # [B, H_kv, S]
         if p.rule == "oldest":
             score = pos.float()
-        elif p.rule == "random":  # a hash of (position, layer): the same choices on every run
-            score = hash32(pos.long() * 0x9E3779B1 + layer).float()
+        elif p.rule == "random":
+            score = random_score(pos, layer)
         else:  # knorm
             score = -self.score[layer]
         return argmin_slot(score, pos, p)
@@ -193,7 +201,8 @@ class KVCache:
         if self.prompt_rule == "snapkv":
             return top_tokens(snapkv_score(q, k, positions, p.per_head), pos, n_keep)
         if self.prompt_rule == "streaming":
-            return top_tokens(torch.where(pos < 4, pos.max() + 1, pos).float(), pos, n_keep)
+            sinks = max(p.n_sink, 4)
+            return top_tokens(torch.where(pos < sinks, pos.max() + 1, pos).float(), pos, n_keep)
         if p.rule == "kernel":  # alpha of the last real query, (times ||v||_1), mean over heads
             last = q.gather(2, ((positions >= 0).sum(1) - 1)[:, None, None, None].expand(R, q.shape[1], 1, q.shape[3]))
             logits = last.float().view(R, H, -1, q.shape[3]) @ k.float().transpose(2, 3) / q.shape[3] ** 0.5
@@ -201,11 +210,11 @@ class KVCache:
             score = alpha * v.float().abs().sum(-1)[:, :, None] if p.value_norm else alpha
             score = score.mean(2) if p.per_head else score.mean((1, 2))[:, None].expand(R, H, T)
         else:
-            score = {"oldest": pos.float(), "random": -hash32(pos.long() * 0x9E3779B1 + layer).float(),
+            # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
+            score = {"oldest": pos.float(), "random": random_score(pos, layer),
                      "knorm": -k.float().norm(dim=-1)}[p.rule]
             score = score if p.per_head else score.mean(1, keepdim=True).expand(R, H, T)
-        newest = pos.amax(-1, keepdim=True)
-        protected = (pos >= 0) & ((pos < p.n_sink) | (pos > newest - p.window))
+        protected = kernel.protected_mask(pos, p.n_sink, p.window)
         return top_tokens(score.masked_fill(protected, float("inf")), pos, n_keep)
 
 
@@ -259,8 +268,7 @@ def top_tokens(score, pos, n_keep: int):
 def argmin_slot(score, pos, p: Policy):
     """The lowest-index empty slot, else the lowest score among unprotected slots; per KV head or, with
     one decision per layer, on the mean over heads. score, pos: [B, H_kv, S]. Returns [B, H_kv]."""
-    newest = pos.amax(-1, keepdim=True)
-    protected = (pos >= 0) & ((pos < p.n_sink) | (pos > newest - p.window))
+    protected = kernel.protected_mask(pos, p.n_sink, p.window)
     empty = pos < 0
     if not p.per_head:  # every KV head holds the same tokens
         score, protected, empty = score.mean(1, keepdim=True), protected[:, :1], empty[:, :1]

@@ -16,6 +16,7 @@ import math
 import random
 import re
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
@@ -264,14 +265,14 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
     done = done_keys(path)
     todo = [(it, s) for s in range(samples) for it in items if (it["index"], s) not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
-    decode_s, new_tokens = 0.0, 0
+    generate_s, new_tokens = 0.0, 0
     for start in range(0, len(todo), chunk):
         part = todo[start:start + chunk]
         convs = [build_messages(it["question"]) for it, _ in part]
         # a seed per (item, sample): a resumed or re-chunked run draws the same samples
         seeds = [seed + 1000003 * s + it["index"] for it, s in part]
         outs = llm.chat(convs, max_new_tokens=max_new_tokens, seed=seeds, **sampling)
-        decode_s += llm.stats.decode_s + llm.stats.prefill_s
+        generate_s += llm.stats.decode_s + llm.stats.prefill_s
         new_tokens += llm.stats.generated_tokens
         with path.open("a") as f:
             for (it, s), conv, out in zip(part, convs, outs):
@@ -288,8 +289,18 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
             "budget_full_fraction": sum(r["budget_full"] for r in rows) / len(rows),
-            "tokens_per_s": new_tokens / decode_s if decode_s else None,
+            "tokens_per_s": new_tokens / generate_s if generate_s else None,
             "kv_bytes": llm.stats.kv_bytes if llm.stats else None}
+
+
+def check_settings(path: Path, settings: dict):
+    """Resume a run only with the settings it was started with, so one file never mixes two runs."""
+    saved = path.with_suffix(".settings.json")
+    if path.exists() and saved.exists() and json.loads(saved.read_text()) != settings:
+        raise ValueError(f"{path} was written with other settings ({saved.read_text().strip()}); "
+                         f"use another --out or delete it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(settings))
 
 
 def parse_run(text: str) -> tuple[str, int | None]:
@@ -351,6 +362,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         import tinyflow
+        from generate import Sampling
         runs = [parse_run(r) for r in args.runs]
         items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
             else load_dataset(args.data)
@@ -361,10 +373,11 @@ def main(argv=None):
             if llm is None:
                 llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
             llm.set_policy(budget, policy)
-            defaults = llm.tokenizer.defaults
-            sampling = {k: getattr(args, k) if getattr(args, k) is not None else defaults.get(k, v)
-                        for k, v in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
+            sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, args.temperature, args.top_k,
+                                                     args.top_p))
             path = run_file(out_dir, args.data, policy, budget)
+            check_settings(path, dict(model=args.model, data=args.data, max_new_tokens=args.max_new_tokens,
+                                      sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words))
             summary = evaluate(llm, items, path, args.samples, args.max_new_tokens, sampling, args.seed, args.chunk)
             summaries.append(dict(summary, policy=policy, budget=budget, data=args.data, model=args.model,
                                   sampling=sampling))

@@ -8,6 +8,7 @@ once as a CUDA graph, never synchronised with inside the step. The host looks at
 `sync_every` steps to stop at EOS and to stream text.
 """
 import argparse
+import math
 import random
 import sys
 import time
@@ -49,9 +50,21 @@ def sample(logits, seeds, positions, temperature: float, top_k: int, top_p: floa
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
     top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0 and self.top_k >= 0
+                and 0 < self.top_p <= 1):
+            raise ValueError("sampling needs a finite temperature >= 0, top-k >= 0 and 0 < top-p <= 1")
+
+    @classmethod
+    def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None) -> "Sampling":
+        """The given settings, and the model's generation_config.json defaults for those left None."""
+        pick = lambda value, name, default: defaults.get(name, default) if value is None else value
+        return cls(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
+                   float(pick(top_p, "top_p", 1.0)))
 
 
 # ---- the decode step ---------------------------------------------------------------------------------
@@ -193,6 +206,8 @@ class Engine:
         if not isinstance(seed, list):  # one seed per prompt: its samples do not depend on its row
             seed = random.randrange(2**31) if seed is None else seed
             seed = [seed + i for i in range(len(prompts))]
+        if len(seed) != len(prompts):
+            raise ValueError(f"got {len(seed)} seeds for {len(prompts)} prompts; give one int or one per prompt")
         outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
@@ -316,7 +331,10 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
     """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("CUDA was asked for but is not available on this machine; use --device cpu")
     if dtype is None:
@@ -390,14 +408,6 @@ def read_prompt(args) -> str:
         raise FileNotFoundError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
 
 
-def sampling_from(args, defaults: dict) -> Sampling:
-    pick = lambda name, default: getattr(args, name) if getattr(args, name) is not None else defaults.get(name, default)
-    s = Sampling(float(pick("temperature", 0.0)), int(pick("top_k", 0)), float(pick("top_p", 1.0)))
-    if s.temperature < 0 or s.top_k < 0 or not 0 < s.top_p <= 1:
-        raise ValueError("need temperature >= 0, top-k >= 0 and 0 < top-p <= 1")
-    return s
-
-
 def run(args):
     text = read_prompt(args)
     if not text.strip():
@@ -419,7 +429,8 @@ def run(args):
         printed[:] = [out]
 
     outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy,
-                                  sampling_from(args, tok.defaults), args.seed, batch,
+                                  Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p),
+                                  args.seed, batch,
                                   on_tokens=stream if batch == 1 else None, prompt_rule=args.prompt_compression)
     if batch > 1:
         for i, o in enumerate(outs):
@@ -431,7 +442,7 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     """--batch-size max: the most copies of the prompt whose cache fits for the whole output length."""
     if engine.device.type != "cuda":
         raise ValueError("--batch-size max sizes the batch from free GPU memory; give a number on the CPU")
-    slots = args.budget or prompt_len + args.max_new_tokens
+    slots = prompt_len + args.max_new_tokens if args.budget is None or args.policy == "full" else args.budget
     fits = batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(), engine.dtype)
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")

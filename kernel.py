@@ -25,6 +25,13 @@ import triton.language as tl
 from torch import Tensor
 
 
+def protected_mask(pos, n_sink: int, window: int):
+    """Slots never evicted: one of the first n_sink positions, or of the last `window` (counted back from
+    the newest position of the row). pos: [..., S], -1 for empty (never protected)."""
+    newest = pos.amax(-1, keepdim=True)
+    return (pos >= 0) & ((pos < n_sink) | (pos > newest - window))
+
+
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
                          acc=None, limit=None):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin.
@@ -50,8 +57,7 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
         return out, torch.full((B, H_kv), -1, dtype=torch.int64, device=q.device)
 
     score = alpha * v.float().abs().sum(-1)[:, :, None] if value_norm else alpha  # [B, H_kv, G, S]
-    newest = pos.amax(-1, keepdim=True)
-    protected = ~empty & ((pos < n_sink) | (pos > newest - window))  # [B, H_kv, S]
+    protected = protected_mask(pos, n_sink, window)  # [B, H_kv, S]
     if per_head:
         score = score.mean(2)  # [B, H_kv, S]
     else:
@@ -67,11 +73,11 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 # Running softmax max starts at a large finite value rather than -inf, so a block or split with no
 # valid slot gives exp(-inf - NEG_BIG) = 0 and exp(NEG_BIG - NEG_BIG) = 1, never exp(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1e30)
-KEY_MAX = tl.constexpr(2**63 - 1)
+KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
 # Launch settings of _attend_kernel, from a sweep on the H200 (bf16, 32/8 heads, D 128, S 3200, batch 64
 # and 256): with selection, 2 warps and 3 stages (317 us at batch 64, against 474 with 4 warps); without,
 # 4 warps and 2 stages (192 us, SDPA's speed).
-ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=3), False: dict(num_warps=4, num_stages=2)}  # above every packed (score, slot) key: the start of the atomic minimum
+ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=3), False: dict(num_warps=4, num_stages=2)}
 
 
 @triton.jit

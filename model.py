@@ -53,6 +53,8 @@ class Config:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope scaling {rope_type!r}; tinyflow supports none and 'llama3'")
+        if rope_type == "llama3" and not set(LLAMA3_KEYS) <= set(rope):
+            raise ValueError(f"llama3 rope scaling in config.json lacks {sorted(set(LLAMA3_KEYS) - set(rope))}")
         heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")
         return cls(
@@ -240,6 +242,8 @@ def load_weights(model: Transformer, folder: str, device, dtype):
             raise FileNotFoundError(f"weights file {path} is missing")
         with safe_open(path, framework="pt", device=str(device)) as f:
             for name in f.keys():
+                if name == "lm_head.weight" and model.cfg.tie_embeddings:
+                    continue  # a stored copy of the tied embedding: the embedding is used, as in transformers
                 if name not in params or name in filled:
                     raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
                                      f"parameter (or it appeared twice)")

@@ -48,8 +48,6 @@ class LLM:
         take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         outs, self.stats = self.engine.generate(ids, max_new_tokens, self.tokenizer.eos_ids, self.budget,
                                                 self.policy, Sampling(temperature, top_k, top_p), seed,

@@ -249,3 +249,19 @@ def test_compiled_decode_writes_the_cache_in_place():
     copies = [line for line in code.splitlines() if "empty_strided" in line and "(2, 2, 1000, 4)" in line]
     assert not copies, copies
     assert cache.k[0][:, :, 0].eq(k).all() and cache.pos[0][:, :, 0].tolist() == [[5, 5], [6, 6]]
+
+
+def test_prompt_compression_by_a_rule_keeps_what_decoding_with_it_would_keep(qwen3):
+    """--prompt-compression decode with the random rule keeps the highest hashes (decoding evicts the
+    lowest); --prompt-compression streaming keeps the policy's own sinks when it has more than 4."""
+    from cache import random_score
+    model, _ = qwen3
+    prompt = torch.randint(0, 300, (1, 90))
+    for policy, rule, n_sink in (("random", "decode", 0), ("longflow", "streaming", 8)):
+        cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, n_sink=n_sink), rule)
+        model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
+        kept = set(cache.pos[0][0, 0, :39].tolist())
+        if policy == "random":
+            assert kept == set(random_score(torch.arange(90), 0).topk(39).indices.tolist())
+        else:
+            assert kept == set(range(8)) | set(range(90 - 31, 90))

@@ -51,3 +51,12 @@ def test_bad_run_spec_is_a_clear_error(checkpoints, tmp_path, capsys):
     import pytest
     with pytest.raises(SystemExit, match="bad run 'longflow:x'"):
         ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(write_data(tmp_path)), "--runs", "longflow:x"])
+
+
+def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path):
+    import pytest
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    run_eval(checkpoints, data, out)
+    with pytest.raises(SystemExit, match="was written with other settings"):
+        ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40",
+                 "--max-new-tokens", "13", "--out", str(out), "--device", "cpu", "--no-compile"])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import generate
 import tinyflow
 from generate import Engine, sample
-from model import load
+from model import Config, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,6 +199,8 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config,
     (["--prompt", "   "], "prompt is empty"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file"),
     (["--top-p", "0"], "top-p"),
+    (["--temperature", "nan"], "finite temperature"),
+    (["--device", "tpu9"], "unknown device"),
 ])
 def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, message):
     prompt = [] if {"--prompt", "--prompt-file"} & set(args) else ["--prompt", "Hi"]
@@ -232,3 +234,24 @@ def test_cuda_graph_replay_matches_eager_and_never_recompiles(checkpoints, polic
     with torch._dynamo.config.patch(error_on_recompile=True):
         graphed, _ = Engine(model, compile=True).generate(prompts, 40, [], budget, policy)
     assert graphed == eager
+
+
+def test_tied_checkpoint_with_a_stored_lm_head_and_incomplete_llama3_config(checkpoints, tmp_path):
+    """transformers loads a tied checkpoint that also stores lm_head.weight; so does tinyflow. A llama3
+    rope scaling without its parameters is a clear error, not a KeyError."""
+    folder = tmp_path / "tied"
+    shutil.copytree(checkpoints["qwen3"], folder)
+    w = load_file(folder / "model.safetensors")
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+    save_file(w, folder / "model.safetensors")
+    load(str(folder), torch.device("cpu"), torch.float32)
+    c = json.loads((checkpoints["llama"] / "config.json").read_text())
+    del c["rope_parameters"]["factor"]
+    with pytest.raises(ValueError, match="lacks \\['factor'\\]"):
+        Config.from_dict(c)
+
+
+def test_one_seed_per_prompt_is_checked(checkpoints):
+    model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        Engine(model, compile=False).generate([[1], [2], [3]], 4, [], seed=[1, 2])
