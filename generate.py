@@ -102,6 +102,9 @@ class Stepper:
 
     def __init__(self, model, cache, state, sampling, compile=True):
         self.args = (model, cache, state, sampling)
+        # every batch shape, policy and sampling setting compiles its own step; dynamo keeps 8 by default
+        # and would quietly run the ninth eagerly
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False) if compile else decode_step
         self.graph = None
         if state.tokens.is_cuda:
