@@ -198,8 +198,10 @@ class Transformer(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 # Loading: a local folder or a Hub id; config, safetensors weights (sharded or not), tokenizer.
 
+# "model*.safetensors": the transformers names (model.safetensors, model-00001-of-00004.safetensors), not
+# the copies in other formats some repositories also hold (consolidated.safetensors)
 HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+             "chat_template.jinja", "model*.safetensors", "model.safetensors.index.json"]
 
 
 def resolve(name: str) -> str:
