@@ -24,3 +24,13 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert all(row["real_ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0 for row in rows)
         else:
             assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
+
+
+def test_bench_transformers_baseline_runs_on_cpu(tmp_path):
+    out = tmp_path / "hf.json"
+    r = subprocess.run([sys.executable, "bench.py", "hf", "--shape", "tiny", "--device", "cpu", "--batch", "2",
+                        "--new-tokens", "16", "--prompt-len", "8", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 2 and row["tokens_per_s"] > 0

@@ -201,6 +201,8 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config,
     (["--top-p", "0"], "top-p"),
     (["--temperature", "nan"], "finite temperature"),
     (["--device", "tpu9"], "unknown device"),
+    (["--batch-size", "max", "--device", "cpu"], "give a number on the CPU"),
+    (["--batch-size", "many"], "positive integer"),
 ])
 def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, message):
     prompt = [] if {"--prompt", "--prompt-file"} & set(args) else ["--prompt", "Hi"]
