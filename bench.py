@@ -1,8 +1,12 @@
 """Speed and memory of tinyflow on a GPU, each figure set against the memory-bandwidth floor.
 
-    python bench.py kernel                                   # fused attention + LongFlow selection
-    python bench.py step --shape Qwen3-8B --batch 1 64 --budget 3200 --policy longflow full
-    python bench.py generate --shape Qwen3-0.6B --batch 1    # end to end through the engine
+    python bench.py kernel --batch 1 8 64 256           # fused attention + LongFlow selection vs SDPA
+    python bench.py step --shape Qwen3-8B --batch 1      # one decode step (--profile: its kernels)
+    python bench.py throughput --shape Qwen3-8B          # 16k outputs at the largest batch that fits,
+                                                         # longflow and full (--validate N: check it)
+    python bench.py generate --shape Qwen3-0.6B          # end to end through the engine
+    python bench.py long-prompt --shape R1-Distill-Llama-8B --prompt-len 131072 --new-tokens 256
+    python bench.py hf --shape Qwen3-8B --batch 1 32     # transformers full-KV generate, the baseline
 
 Decode is memory-bound: a step must read every weight once and every cached K/V once, so
 floor = (weight bytes + KV bytes) / copy bandwidth, with the bandwidth measured here by a large
