@@ -95,19 +95,22 @@ def bench_kernel(args, bw, _):
                  torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16),
                  torch.arange(S, device="cuda", dtype=torch.int32).expand(B, Hkv, S).contiguous())
                 for _ in range(n_sets)]
-        variants = {
-            "longflow": lambda q, k, v, p: kernel.decode_attention(q, k, v, p),
-            "longflow-head": lambda q, k, v, p: kernel.decode_attention(q, k, v, p, per_head=True),
-            "tova (no value norm)": lambda q, k, v, p: kernel.decode_attention(q, k, v, p, value_norm=False),
-            "no selection": lambda q, k, v, p: kernel.decode_attention(q, k, v, p, select=False),
-            "torch SDPA": lambda q, k, v, p: F.scaled_dot_product_attention(
-                q[:, :, None], k, v, enable_gqa=True),
+        sets = [(*s, s[2].float().abs().sum(-1)) for s in sets]  # + ||v||_1 per slot, as the cache keeps it
+        vnorm_bytes = B * Hkv * S * 4
+        variants = {  # name: (call, bytes read beyond K, V and positions)
+            "longflow": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, vnorm=n), vnorm_bytes),
+            "longflow-head": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, per_head=True, vnorm=n),
+                              vnorm_bytes),
+            "tova (no value norm)": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, value_norm=False), 0),
+            "no selection": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, select=False), 0),
+            "torch SDPA": (lambda q, k, v, p, n: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True),
+                           0),
         }
-        for name, fn in variants.items():
+        for name, (fn, extra_bytes) in variants.items():
             it = iter(range(10**9))
             t = graph_time(lambda: fn(*sets[next(it) % n_sets]), reps=max(n_sets, 20))
             rows.append(dict(workload="kernel", variant=name, batch=B, slots=S, us=t * 1e6,
-                             bandwidth_fraction=kv_bytes / t / bw))
+                             bandwidth_fraction=(kv_bytes + extra_bytes) / t / bw))
         base = next(r["us"] for r in rows if r["batch"] == B and r["variant"] == "no selection")
         for r in rows:
             if r["batch"] == B:
@@ -159,7 +162,7 @@ class StepTimer:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                self.stepper.fn(*self.stepper.args)
+                self.stepper.step()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
         print(table)
@@ -169,7 +172,7 @@ class StepTimer:
     def kv_bytes_read(self, filled: int) -> int:
         """LongFlow reads every slot; the full cache reads the slots filled so far."""
         read = self.slots if self.policy != "full" else filled
-        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype)
+        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype, vnorm=self.policy != "full")
 
     def free(self):
         self.stepper = self.cache = self.state = None
@@ -179,12 +182,14 @@ class StepTimer:
 
 def fill_cache(cache: KVCache, filled: int):
     """Random K/V in the first `filled` slots of every layer and sequence, positions 0..filled-1."""
-    for k, v, pos, next_slot in zip(cache.k, cache.v, cache.pos, cache.next_slot):
-        k.normal_()
-        v.normal_()
-        pos.fill_(-1)
-        pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=pos.device)
-        next_slot.fill_(min(filled, cache.slots - 1))
+    for layer in cache.layers:
+        layer.k.normal_()
+        layer.v.normal_()
+        if cache.keeps_vnorm:
+            layer.vnorm.copy_(layer.v.float().abs().sum(-1))
+        layer.pos.fill_(-1)
+        layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
+        layer.next_slot.fill_(min(filled, cache.slots - 1))
 
 
 def step_row(timer: StepTimer, filled: int, bw: float, **extra) -> dict:

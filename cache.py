@@ -93,86 +93,105 @@ def hash32(x):
     return x ^ (x >> 16)
 
 
-def random_score(pos, layer: int):
+def random_score(pos, layer):
     """The `random` rule's eviction score: a hash of (position, layer), so runs repeat themselves."""
     return hash32(pos.long() * 0x9E3779B1 + layer).float()
+
+
+@dataclass
+class Layer:
+    """One layer's slots and what is kept beside them. A plain object of tensors (the layer number is a
+    tensor too), so the decode step compiles one layer and runs that code for every layer."""
+    k: torch.Tensor  # [B, H_kv, S, D] keys after RoPE
+    v: torch.Tensor  # [B, H_kv, S, D]
+    pos: torch.Tensor  # [B, H_kv, S] int32 position of the token in each slot, -1 = empty
+    next_slot: torch.Tensor  # [B, H_kv] int64 where the next token goes
+    score: torch.Tensor  # [B, H_kv, S] fp32 history: accumulated scores (h2o, vatp) or key norms (knorm)
+    vnorm: torch.Tensor  # [B, H_kv, S] fp32 ||v||_1 of each slot, for the rules that score with it
+    index: torch.Tensor  # [] int64 the layer number (the random rule hashes it)
 
 
 class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
                  prompt_rule: str = "snapkv"):
-        # One tensor per layer, not slices of one [L, ...] tensor: the compiled step then updates each in
-        # place, where a mutated slice of a larger input would be copied whole, every layer, every step.
-        shape, layers = (batch, cfg.n_kv_heads, slots), range(cfg.n_layers)
-        self.k = [torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype) for _ in layers]  # [B, H_kv, S, D]
-        self.v = [torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype) for _ in layers]  # [B, H_kv, S, D]
-        self.pos = [torch.full(shape, -1, device=device, dtype=torch.int32) for _ in layers]  # [B, H_kv, S]
-        self.next_slot = [torch.zeros(shape[:2], device=device, dtype=torch.int64) for _ in layers]  # [B, H_kv]
         self.policy = resolve_policy(policy, slots) if isinstance(policy, str) else policy
         self.prompt_rule, self.slots = prompt_rule, slots
-        # per-slot history beside the cache (fp32): accumulated scores, or each key's norm for knorm
-        keeps_score = self.policy.accumulate or self.policy.rule == "knorm"
-        self.score = [torch.zeros(shape if keeps_score else (1, 1, 1), device=device) for _ in layers]  # [B, H_kv, S]
+        p = self.policy
+        # ||v||_1 is computed once, when a token is written, so the kernel never reduces V tiles for it
+        self.keeps_score, self.keeps_vnorm = p.accumulate or p.rule == "knorm", p.rule == "kernel" and p.value_norm
+        self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]
+
+    def new_layer(self, cfg, batch: int, slots: int, device, dtype, index: int) -> Layer:
+        # separate tensors per layer, not slices of [L, ...] tensors: the compiled step then updates each in
+        # place, where a mutated slice of a larger input would be copied whole, every layer, every step
+        shape = (batch, cfg.n_kv_heads, slots)
+        f32 = lambda used: torch.zeros(shape if used else (1, 1, 1), device=device)  # a stand-in when unused
+        return Layer(k=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
+                     v=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
+                     pos=torch.full(shape, -1, device=device, dtype=torch.int32),
+                     next_slot=torch.zeros(shape[:2], device=device, dtype=torch.int64),
+                     score=f32(self.keeps_score), vnorm=f32(self.keeps_vnorm),
+                     index=torch.tensor(index, device=device))
 
     @staticmethod
-    def bytes_needed(cfg, batch: int, slots: int, dtype) -> int:
-        per_slot = 2 * cfg.head_dim * dtype.itemsize + 4  # K and V, and the int32 position
+    def bytes_needed(cfg, batch: int, slots: int, dtype, vnorm: bool = True) -> int:
+        per_slot = 2 * cfg.head_dim * dtype.itemsize + 4 + 4 * vnorm  # K and V, int32 position, fp32 ||v||_1
         return cfg.n_layers * batch * cfg.n_kv_heads * slots * per_slot
 
     def reset(self):
-        for pos, next_slot in zip(self.pos, self.next_slot):
-            pos.fill_(-1)
-            next_slot.zero_()
+        for layer in self.layers:
+            layer.pos.fill_(-1)
+            layer.next_slot.zero_()
 
     # ---- decode: one token per sequence -------------------------------------------------------------
-    def decode(self, layer: int, q, k, v, positions):
+    def decode(self, layer: Layer, q, k, v, positions):
         """q: [B, H_q, D]; k, v: [B, H_kv, D]; positions: [B]. Returns the attention output [B, H_q, D]."""
-        p = self.policy
-        slot = self.next_slot[layer]  # [B, H_kv]
+        p, c = self.policy, layer
         B, H, D = k.shape
         # (row, head, slot) index triples: index_put_ is what the compiler turns into an in-place store
-        at = (torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :], slot)
-        self.k[layer].index_put_(at, k)
-        self.v[layer].index_put_(at, v)
-        self.pos[layer].index_put_(at, positions.int()[:, None].expand(B, H))
-        if p.accumulate or p.rule == "knorm":  # the new token's history starts now
-            fresh = k.float().norm(dim=-1) if p.rule == "knorm" else torch.zeros(B, H, device=k.device)
-            self.score[layer].index_put_(at, fresh)
+        at = (torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :], c.next_slot)
+        c.k.index_put_(at, k)
+        c.v.index_put_(at, v)
+        c.pos.index_put_(at, positions.int()[:, None].expand(B, H))
+        if self.keeps_vnorm:
+            c.vnorm.index_put_(at, v.float().abs().sum(-1))
+        if self.keeps_score:  # the new token's history starts now: its key norm (knorm), or nothing yet
+            c.score.index_put_(at, k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32))
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
         scored = p.rule == "kernel"
         # a cache that fills in order (full) reads only the slots filled so far
-        out, evict = attend(q, self.k[layer], self.v[layer], self.pos[layer], per_head=p.per_head,
-                            n_sink=p.n_sink, window=p.window, select=scored, value_norm=p.value_norm,
-                            acc=self.score[layer] if p.accumulate else None,
-                            limit=slot + 1 if p.rule == "fill" else None)
+        out, evict = attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window,
+                            select=scored, value_norm=p.value_norm, acc=c.score if p.accumulate else None,
+                            limit=c.next_slot + 1 if p.rule == "fill" else None,
+                            vnorm=c.vnorm if self.keeps_vnorm else None)
         # a full cache is sized for every token, so slots fill in order; a finished sequence that steps on
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
-            evict = (slot + 1).clamp(max=self.slots - 1)
+            evict = (c.next_slot + 1).clamp(max=self.slots - 1)
         elif not scored:
-            evict = self.choose_in_torch(layer)
-        self.next_slot[layer].copy_(evict)
+            evict = self.choose_in_torch(c)
+        c.next_slot.copy_(evict)
         return out
 
-    def choose_in_torch(self, layer: int):
+    def choose_in_torch(self, layer: Layer):
         """The rules that need no attention: the oldest token (StreamingLLM), a seeded random slot, or
         the largest key norm. Returns [B, H_kv] slots."""
-        p, pos = self.policy, self.pos[layer]  # [B, H_kv, S]
+        p, pos = self.policy, layer.pos  # [B, H_kv, S]
         if p.rule == "oldest":
             score = pos.float()
         elif p.rule == "random":
-            score = random_score(pos, layer)
+            score = random_score(pos, layer.index)
         else:  # knorm
-            score = -self.score[layer]
+            score = -layer.score
         return argmin_slot(score, pos, p)
 
     # ---- prefill: a batch of (right-padded) prompts ------------------------------------------------
-    def prefill(self, layer: int, q, k, v, positions, rows):
+    def prefill(self, layer: Layer, q, k, v, positions, rows):
         """q: [R, H_q, T, D]; k, v: [R, H_kv, T, D]; positions: [R, T], -1 for padding after each prompt;
         rows: [R] the cache rows these prompts go to (the other rows are left as they are). Causal
         attention over the prompts, then their K/V into the slots, compressed if they do not fit."""
         out = prefill_attention(q, k, v, positions)
-        R, H, T, D = k.shape
+        c, (R, H, T, D) = layer, k.shape
         S = self.slots
         if T >= S:  # keep S - 1 tokens per row; the last slot stays empty for the first new token
             keep = self.prompt_keep(layer, q, k, v, positions, S - 1)  # [R, H_kv, S-1], into T
@@ -180,19 +199,21 @@ class KVCache:
             k, v = k.gather(2, at), v.gather(2, at)
             positions = positions[:, None].expand(R, H, T).gather(2, keep)  # [R, H_kv, S-1]
             T = S - 1
-        self.pos[layer][rows] = -1  # a reused row forgets its previous sequence
-        self.k[layer][rows, :, :T] = k
-        self.v[layer][rows, :, :T] = v
-        self.pos[layer][rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
+        c.pos[rows] = -1  # a reused row forgets its previous sequence
+        c.k[rows, :, :T] = k
+        c.v[rows, :, :T] = v
+        c.pos[rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
         if self.policy.accumulate:  # scores accumulate from the first decode step on
-            self.score[layer][rows] = 0.0
+            c.score[rows] = 0.0
         if self.policy.rule == "knorm":
-            self.score[layer][rows, :, :T] = k.float().norm(dim=-1)
+            c.score[rows, :, :T] = k.float().norm(dim=-1)
+        if self.keeps_vnorm:
+            c.vnorm[rows, :, :T] = v.float().abs().sum(-1)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
-        self.next_slot[layer][rows] = (self.pos[layer][rows] >= 0).sum(-1)
+        c.next_slot[rows] = (c.pos[rows] >= 0).sum(-1)
         return out
 
-    def prompt_keep(self, layer: int, q, k, v, positions, n_keep: int):
+    def prompt_keep(self, layer: Layer, q, k, v, positions, n_keep: int):
         """The prompt tokens that stay when a prompt does not fit: SnapKV (default), StreamingLLM's first
         4 + most recent, or the policy's own decode rule scored for the last prompt query. Returns
         indices into T [R, H_kv, n_keep], sorted, real tokens before padding."""
@@ -211,7 +232,7 @@ class KVCache:
             score = score.mean(2) if p.per_head else score.mean((1, 2))[:, None].expand(R, H, T)
         else:
             # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
-            score = {"oldest": pos.float(), "random": random_score(pos, layer),
+            score = {"oldest": pos.float(), "random": random_score(pos, layer.index),
                      "knorm": -k.float().norm(dim=-1)}[p.rule]
             score = score if p.per_head else score.mean(1, keepdim=True).expand(R, H, T)
         protected = kernel.protected_mask(pos, p.n_sink, p.window)

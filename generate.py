@@ -86,8 +86,15 @@ class State:
         return cls(z(batch), z(batch), z(batch), z(batch, RING), z(1))
 
 
-def decode_step(model: Transformer, cache: KVCache, state: State, s: Sampling):
-    logits = model(state.tokens[:, None], state.positions[:, None], cache)[:, 0]  # [B, V]
+def run_block(block, *args):
+    """One layer of the decode step. Compiled once: every layer has the same shapes, and its weights and
+    cache tensors are arguments, so the compiled code serves all of them (a 36-layer model compiles one
+    layer, not 36)."""
+    return block(*args)
+
+
+def advance(logits, state: State, s: Sampling):
+    """Sample the next token from logits [B, V] and move the state one step on, in place."""
     nxt = sample(logits, state.seeds, state.positions + 1, s.temperature, s.top_k, s.top_p)  # [B]
     state.history.index_copy_(1, state.count % RING, nxt[:, None])
     state.tokens.copy_(nxt)
@@ -96,36 +103,43 @@ def decode_step(model: Transformer, cache: KVCache, state: State, s: Sampling):
 
 
 class Stepper:
-    """Runs decode_step: compiled (fullgraph, static shapes) and, on CUDA, replayed as a CUDA graph.
-    Compilation and capture happen here, on the empty cache, which is then emptied again (the warm-up
-    steps wrote one junk token that is simply marked as an empty slot)."""
+    """Runs the decode step: its layers and its sampling compiled (fullgraph, static shapes) and, on CUDA,
+    the whole step captured as one CUDA graph and replayed. Compilation and capture happen here, on the
+    empty cache, which is then emptied again (the warm-up steps wrote one junk token that is simply
+    marked as an empty slot)."""
 
     def __init__(self, model, cache, state, sampling, compile=True):
-        self.args = (model, cache, state, sampling)
-        # every batch shape, policy and sampling setting compiles its own step; dynamo keeps 8 by default
+        self.model, self.cache, self.state, self.sampling = model, cache, state, sampling
+        # every batch shape, policy and sampling setting compiles its own code; dynamo keeps 8 by default
         # and would quietly run the ninth eagerly
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False) if compile else decode_step
+        compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False) if compile else fn
+        self.run_block, self.advance = compiled(run_block), compiled(advance)
         self.graph = None
         if state.tokens.is_cuda:
             stream = torch.cuda.Stream()  # warm up (compile, autotune, allocate) off the capture stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.fn(*self.args)
+                    self.step()
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.fn(*self.args)
+                self.step()
         else:
-            self.fn(*self.args)
+            self.step()
         cache.reset()
+
+    def step(self):
+        st = self.state
+        logits = self.model(st.tokens[:, None], st.positions[:, None], self.cache, run_block=self.run_block)
+        self.advance(logits[:, 0], st, self.sampling)  # logits: [B, 1, V]
 
     def __call__(self):
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.fn(*self.args)
+            self.step()
 
 
 # ---- memory: what fits ----------------------------------------------------------------------------------

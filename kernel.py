@@ -33,7 +33,7 @@ def protected_mask(pos, n_sink: int, window: int):
 
 
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                         acc=None, limit=None):
+                         acc=None, limit=None, vnorm=None):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin.
 
     per_head: one decision per KV head (mean over its query group) instead of one per layer (mean over
@@ -44,6 +44,7 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     acc [B, H_kv, S] fp32: the step's score is added into it in place and its argmin is taken instead
     (H2O / VATP); per layer every column gets the same score and column 0 is the one compared.
     limit [B, H_kv] (select=False only): slots from limit on count as empty (a cache filled in order).
+    vnorm [B, H_kv, S] fp32: ||v_i||_1 of every slot, if the caller keeps it (computed from v otherwise).
     """
     B, H_q, D = q.shape
     H_kv = k.shape[1]
@@ -56,7 +57,9 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     if not select:
         return out, torch.full((B, H_kv), -1, dtype=torch.int64, device=q.device)
 
-    score = alpha * v.float().abs().sum(-1)[:, :, None] if value_norm else alpha  # [B, H_kv, G, S]
+    if vnorm is None:
+        vnorm = v.float().abs().sum(-1)  # [B, H_kv, S]
+    score = alpha * vnorm[:, :, None] if value_norm else alpha  # [B, H_kv, G, S]
     protected = protected_mask(pos, n_sink, window)  # [B, H_kv, S]
     if per_head:
         score = score.mean(2)  # [B, H_kv, S]
@@ -74,22 +77,24 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 # valid slot gives exp(-inf - NEG_BIG) = 0 and exp(NEG_BIG - NEG_BIG) = 1, never exp(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1e30)
 KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
-# Launch settings of _attend_kernel, from a sweep on the H200 (bf16, 32/8 heads, D 128, S 3200, batch 64
-# and 256): with selection, 2 warps and 3 stages (317 us at batch 64, against 474 with 4 warps); without,
-# 4 warps and 2 stages (192 us, SDPA's speed).
-ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=3), False: dict(num_warps=4, num_stages=2)}
+# Launch settings, from sweeps on the H200 (bf16, 32/8 heads, D 128, S 3200, batch 1 to 256): attention with
+# selection 2 warps and 2 stages (batch 64: 235 us; 4 warps 316), without it 4 warps and 2 stages (SDPA's
+# speed); the finish kernel 2 warps (4: +2%, 8: +10%).
+ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
+FINISH_LAUNCH = dict(num_warps=2)
 
 
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr,  # q [B, H_q, D]; k, v [B, H_kv, S, D]; pos [B, H_kv, S]
+    vnorm_ptr,  # [B, H_kv, S] f32 ||v||_1 per slot (with VALUE_NORM)
     out_ptr,  # [B, H_q, D] final output (when not split)
     m_ptr, l_ptr, o_ptr,  # per-split softmax max, sum [B, H_q, n_split] and unnormalised out [.., D]
     logit_ptr, newest_ptr,  # for selection: logits [B, H_q, S] f32, newest position [B, H_kv, n_split] i32
     key_ptr,  # [B, H_kv] i64: set here to the start of the finish kernel's atomic minimum, or -1 (no selection)
     limit_ptr,  # [B, H_kv] i64, with HAS_LIMIT: slots from limit on are empty and not even read
     S, chunk,
-    sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s,
+    sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s,
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     SCALE: tl.constexpr,  # 1/sqrt(D); constexpr, as torch.compile would pass a float argument as fp64
     SPLIT: tl.constexpr, SELECT: tl.constexpr, VALUE_NORM: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -107,6 +112,7 @@ def _attend_kernel(
     k_ptr += b * sk_b + kvh * sk_h
     v_ptr += b * sv_b + kvh * sv_h
     pos_ptr += b * sp_b + kvh * sp_h
+    vnorm_ptr += b * sn_b + kvh * sn_h
 
     m = tl.full([G_PAD], NEG_BIG, tl.float32)  # running max, sum and output of the online softmax
     l = tl.zeros([G_PAD], tl.float32)
@@ -126,7 +132,7 @@ def _attend_kernel(
         if SELECT:  # the logits for the score pass, stored while the block is in registers
             saved = s
             if VALUE_NORM:  # alpha * ||v||_1 = exp(s + log ||v||_1 - m) / l: fold the norm into the logit
-                vnorm = tl.sum(tl.abs(vb.to(tl.float32)), axis=1)  # [BLOCK_S]
+                vnorm = tl.load(vnorm_ptr + slots * sn_s, mask=in_range, other=1.0)  # [BLOCK_S]
                 saved += tl.where(vnorm > 0, tl.log(tl.maximum(vnorm, 1e-30)), NEG_BIG)[None, :]  # v = 0: score 0
             tl.store(logit_ptr + heads[:, None] * S + slots[None, :], saved,
                      mask=row_ok[:, None] & in_range[None, :])
@@ -270,7 +276,7 @@ def _chunk_size(B: int, S: int, device: torch.device) -> int:
 @torch.library.triton_op("tinyflow::decode_attention", mutates_args={"acc"})
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
                          window: int, select: bool, value_norm: bool, acc: Optional[Tensor],
-                         limit: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                         limit: Optional[Tensor], vnorm: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which
     # torch.compile functionalises like any mutated input; None simply means nothing is mutated.
     #
@@ -302,9 +308,13 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     logits = torch.empty(B, H_q, S, **f32) if select else unused  # (+ log ||v||_1); -inf for empty slots
     newest = torch.empty(B, H_kv, n_split, device=q.device, dtype=torch.int32) if select else unused
     key = torch.empty(B, H_kv, device=q.device, dtype=torch.int64)  # packed (score, slot), or -1
+    value_norm = select and value_norm
+    if value_norm and vnorm is None:  # an extra pass over V: the cache keeps ||v||_1 to avoid it
+        vnorm = v.float().abs().sum(-1)  # [B, H_kv, S]
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
-        q, k, v, pos, out, m, l, o, logits, newest, key, unused if limit is None else limit, S, chunk,
-        *q.stride(), *k.stride(), *v.stride(), *pos.stride(),
+        q, k, v, pos, vnorm if value_norm else unused, out, m, l, o, logits, newest, key,
+        unused if limit is None else limit, S, chunk,
+        *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(vnorm.stride() if value_norm else (0,) * 3),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
         SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, VALUE_NORM=value_norm, HAS_LIMIT=limit is not None,
         **ATTEND_LAUNCH[select])
@@ -317,12 +327,12 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
             S, n_split, n_chunks, n_sink, window, *pos.stride(), *(acc.stride() if acc is not None else (0,) * 3),
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
-            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, num_warps=4)
+            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, **FINISH_LAUNCH)
     return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
 
 
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                     acc=None, limit=None):
+                     acc=None, limit=None, vnorm=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
     return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
-                                               limit)
+                                               limit, vnorm)

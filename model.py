@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from cache import KVCache
+from cache import KVCache, Layer
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -113,9 +113,9 @@ def rotate(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Config, layer: int):
+    def __init__(self, cfg: Config):
         super().__init__()
-        self.layer, self.cfg = layer, cfg
+        self.cfg = cfg
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, cache: KVCache, rows):
+    def forward(self, x, cos, sin, positions, cache: KVCache, layer: Layer, rows):
         B, T, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
@@ -136,9 +136,9 @@ class Attention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if rows is not None:  # prefill whole prompts into these cache rows
-            out = cache.prefill(self.layer, q, k, v, positions, rows)  # [B, H_q, T, D]
+            out = cache.prefill(layer, q, k, v, positions, rows)  # [B, H_q, T, D]
         else:
-            out = cache.decode(self.layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], positions[:, 0])[:, :, None]
+            out = cache.decode(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], positions[:, 0])[:, :, None]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -154,15 +154,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, layer: int):
+    def __init__(self, cfg: Config):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, positions, cache, rows):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, rows)
+    def forward(self, x, cos, sin, positions, cache, layer, rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,22 +172,23 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg, "cpu"), persistent=False)
 
-    def forward(self, tokens, positions, cache: KVCache, rows=None, last=None):
+    def forward(self, tokens, positions, cache: KVCache, rows=None, last=None, run_block=Block.__call__):
         """tokens, positions: [B, T] (position -1 marks padding). Decodes one token per cache row, or, with
         `rows` [B], prefills whole prompts into those cache rows. Returns logits [B, T, V], or [B, V] at
-        index `last` [B] of each row when given (prefill needs only the last prompt token's logits)."""
+        index `last` [B] of each row when given (prefill needs only the last prompt token's logits).
+        run_block(block, ...) runs each layer: the decode step passes one compiled function for them all."""
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]
         freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like HF
         angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for block in self.model.layers:
-            x = block(x, cos, sin, positions, cache, rows)
+        for block, layer in zip(self.model.layers, cache.layers):
+            x = run_block(block, x, cos, sin, positions, cache, layer, rows)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
         x = self.model.norm(x)

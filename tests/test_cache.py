@@ -49,12 +49,12 @@ def run_steps(model, cache, tokens, steps):
 def test_small_budget_keeps_slot_count_and_evicts_one_token_per_step_and_layer(qwen3, policy):
     model, tok = qwen3
     cache = KVCache(model.cfg, 3, 40, "cpu", torch.float32, policy)
-    k_ptr = cache.k[0].data_ptr()
+    k_ptr = cache.layers[0].k.data_ptr()
     before = None
     evictions = 0
     for c in run_steps(model, cache, prompts_of(tok), 60):
-        assert c.k[0].shape[2] == 40 and c.k[0].data_ptr() == k_ptr  # never grows, never reallocates
-        pos = torch.stack(c.pos)  # [L, B, H_kv, S]
+        assert c.layers[0].k.shape[2] == 40 and c.layers[0].k.data_ptr() == k_ptr  # never grows, never reallocates
+        pos = torch.stack([layer.pos for layer in c.layers])  # [L, B, H_kv, S]
         held = [[[set(pos[l, b, h][pos[l, b, h] >= 0].tolist()) for h in range(pos.shape[2])]
                  for b in range(3)] for l in range(pos.shape[0])]
         if before is not None:
@@ -71,7 +71,20 @@ def test_small_budget_keeps_slot_count_and_evicts_one_token_per_step_and_layer(q
         before = held
     assert evictions > 0
     if policy == "longflow":  # one decision per layer: every KV head holds the same tokens
-        assert all((p == p[:, :1]).all() for p in cache.pos)
+        assert all((p == p[:, :1]).all() for p in (layer.pos for layer in cache.layers))
+
+
+@pytest.mark.parametrize("policy", ["longflow", "longflow-head", "vatp"])
+def test_each_slots_kept_value_norm_is_that_of_the_value_it_holds(qwen3, policy):
+    """The kernel scores with the ||v||_1 the cache stored when each token was written (prefill, prompt
+    compression, decode): after evictions it must still match the V in every slot, and empty slots hold 0."""
+    model, _ = qwen3
+    cache = KVCache(model.cfg, 2, 40, "cpu", torch.float32, policy)
+    for c in run_steps(model, cache, [list(range(3, 60)), [5, 6, 7]], 25):
+        for layer in c.layers:
+            assert torch.equal(layer.vnorm, layer.v.abs().sum(-1))
+    pos = torch.stack([layer.pos for layer in cache.layers])  # [L, B, H_kv, S]
+    assert (pos[:, 1] == -1).any() and (pos[:, 0] >= 0).all()  # empty slots in the short row, none in the long
 
 
 def test_small_budget_greedy_output_is_identical_across_runs(qwen3):
@@ -88,7 +101,7 @@ def test_long_prompt_is_compressed_to_budget_minus_one_keeping_the_last_32(qwen3
     long, short = list(torch.randint(0, 300, (120,)).tolist()), [5, 6, 7]
     next(run_steps(model, cache, [long, short], 1))
     # after prefill + one step: row 0 held budget - 1 prompt tokens and then took the new token
-    for pos in cache.pos:
+    for pos in (layer.pos for layer in cache.layers):
         for h in range(pos.shape[1]):
             held = pos[0, h].tolist()
             assert len([p for p in held if p >= 0]) == budget
@@ -135,9 +148,9 @@ def test_long_bf16_run_on_the_gpu_keeps_the_budget_and_stays_finite(checkpoints)
     outs, _ = engine.generate([tok.encode("Hello world"), tok.encode("The quick brown fox")], 3000, [],
                               budget=64)
     assert [len(o) for o in outs] == [3000, 3000]
-    pos = torch.stack(engine.cache.pos)  # [L, B, H_kv, S]
+    pos = torch.stack([layer.pos for layer in engine.cache.layers])  # [L, B, H_kv, S]
     assert ((pos >= 0).sum(-1) == 64).all()
-    assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(engine.cache.k, engine.cache.v))
+    assert all(torch.isfinite(t).all() for layer in engine.cache.layers for t in (layer.k, layer.v))
     held = pos[:, 0, 0]  # [L, S]: the newest token written (steps run in chunks, so a few past 3,000)
     assert (held.max(-1).values == engine.state.positions[0] - 1).all()
 
@@ -152,10 +165,11 @@ def full_cache(policy, S=8, n_q=2):
     new token goes into slot S-1 (its token is evicted), so slots 0..S-2 hold positions 0..S-2."""
     p = replace(POLICIES[policy], window=0) if isinstance(POLICIES[policy].window, float) else POLICIES[policy]
     cache = KVCache(Tiny, 1, S, "cpu", torch.float32, p)
-    cache.pos[0][:] = torch.arange(S, dtype=torch.int32)
-    cache.k[0][:] = 0.0
-    cache.v[0][:] = 1.0
-    cache.next_slot[0][:] = S - 1
+    cache.layers[0].pos[:] = torch.arange(S, dtype=torch.int32)
+    cache.layers[0].k[:] = 0.0
+    cache.layers[0].v[:] = 1.0
+    cache.layers[0].vnorm[:] = 4.0 if cache.keeps_vnorm else 0.0  # ||v||_1 of those values
+    cache.layers[0].next_slot[:] = S - 1
     q = torch.zeros(1, n_q, 4)
     k = torch.zeros(1, 2, 4)
     v = torch.ones(1, 2, 4)
@@ -163,8 +177,8 @@ def full_cache(policy, S=8, n_q=2):
 
 
 def step(cache, q, k, v, positions):
-    cache.decode(0, q, k, v, positions)
-    return cache.next_slot[0][0].tolist()  # [H_kv]: both heads, one decision per layer or per head
+    cache.decode(cache.layers[0], q, k, v, positions)
+    return cache.layers[0].next_slot[0].tolist()  # [H_kv]: both heads, one decision per layer or per head
 
 
 def test_streaming_evicts_the_oldest_token_after_the_four_sinks():
@@ -174,8 +188,8 @@ def test_streaming_evicts_the_oldest_token_after_the_four_sinks():
 
 def test_knorm_evicts_the_largest_key_norm():
     cache, *args = full_cache("knorm")
-    cache.k[0][0, :, 2] = 3.0  # slot 2 has the largest key in both heads
-    cache.score[0][0] = cache.k[0][0].norm(dim=-1)  # norms are recorded when keys are written
+    cache.layers[0].k[0, :, 2] = 3.0  # slot 2 has the largest key in both heads
+    cache.layers[0].score[0] = cache.layers[0].k[0].norm(dim=-1)  # norms are recorded when keys are written
     assert step(cache, *args) == [2, 2]
 
 
@@ -185,25 +199,27 @@ def test_longflow_evicts_a_zero_value_that_tova_keeps():
     for policy, want in (("longflow", 3), ("tova", 0)):
         cache, q, k, v, positions = full_cache(policy)
         q[..., 0] = 4.0
-        cache.k[0][0, :, 3, 0] = 2.0  # q . k_3 is large
-        cache.v[0][0, :, 3] = 0.0
+        cache.layers[0].k[0, :, 3, 0] = 2.0  # q . k_3 is large
+        cache.layers[0].v[0, :, 3] = 0.0
+        if cache.keeps_vnorm:  # norms are recorded when values are written
+            cache.layers[0].vnorm[:] = cache.layers[0].v.abs().sum(-1)
         assert step(cache, q, k, v, positions) == [want, want], policy
 
 
 def test_h2o_keeps_a_token_that_was_attended_before_even_when_not_now():
     cache, q, k, v, positions = full_cache("h2o")
     q[..., 0] = 4.0
-    cache.k[0][0, :, 5, 0] = 2.0  # slot 5 is the heavy hitter of the first step
+    cache.layers[0].k[0, :, 5, 0] = 2.0  # slot 5 is the heavy hitter of the first step
     assert step(cache, q, k, v, positions) == [0, 0]  # slot 0 is among the least attended
-    cache.k[0][0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
+    cache.layers[0].k[0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
     q2 = q.clone()
     assert 5 not in step(cache, q2, k, v, positions + 1)  # ... but its accumulated score keeps it
-    assert cache.score[0][0, :, 5].min() > cache.score[0][0, :, 6].max()
+    assert cache.layers[0].score[0, :, 5].min() > cache.layers[0].score[0, :, 6].max()
 
 
 def test_vatp_never_evicts_its_twenty_sinks():
     cache, q, k, v, positions = full_cache("vatp", S=24)
-    cache.v[0][0, :, 7] = 0.0  # the lowest score sits in a sink
+    cache.layers[0].v[0, :, 7] = 0.0  # the lowest score sits in a sink
     assert step(cache, q, k, v, positions) == [20, 20]  # the first non-sink of equal score
 
 
@@ -222,7 +238,7 @@ def test_every_policy_keeps_the_budget_and_repeats_itself(qwen3, policy):
     engine = Engine(model, compile=False)
     runs = [engine.generate(prompts_of(tok), 50, [], budget=40, policy=policy)[0] for _ in range(2)]
     assert runs[0] == runs[1]
-    assert all(((p >= 0).sum(-1) == 40).all() for p in engine.cache.pos)
+    assert all(((p >= 0).sum(-1) == 40).all() for p in (layer.pos for layer in engine.cache.layers))
 
 
 @pytest.mark.parametrize("rule", ["snapkv", "streaming", "decode"])
@@ -232,10 +248,10 @@ def test_every_prompt_compression_keeps_budget_minus_one_prompt_tokens(qwen3, ru
     cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, prompt_rule=rule), rule)
     prompt = torch.randint(0, 300, (1, 90))
     model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
-    held = torch.stack(cache.pos)[:, 0] >= 0  # [L, H_kv, S]
+    held = torch.stack([layer.pos for layer in cache.layers])[:, 0] >= 0  # [L, H_kv, S]
     assert (held.sum(-1) == 39).all() and not held[..., 39].any()
     if rule == "streaming":
-        assert sorted(cache.pos[0][0, 0, :39].tolist()) == [0, 1, 2, 3] + list(range(55, 90))
+        assert sorted(cache.layers[0].pos[0, 0, :39].tolist()) == [0, 1, 2, 3] + list(range(55, 90))
 
 
 def test_compiled_decode_writes_the_cache_in_place():
@@ -244,11 +260,11 @@ def test_compiled_decode_writes_the_cache_in_place():
     from torch._inductor.utils import run_and_get_code
     cache = KVCache(Tiny, 2, 1000, "cpu", torch.float32, "longflow")
     q, k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4)
-    step = torch.compile(lambda: cache.decode(0, q, k, v, torch.tensor([5, 6])), fullgraph=True)
+    step = torch.compile(lambda: cache.decode(cache.layers[0], q, k, v, torch.tensor([5, 6])), fullgraph=True)
     _, (code,) = run_and_get_code(step)
     copies = [line for line in code.splitlines() if "empty_strided" in line and "(2, 2, 1000, 4)" in line]
     assert not copies, copies
-    assert cache.k[0][:, :, 0].eq(k).all() and cache.pos[0][:, :, 0].tolist() == [[5, 5], [6, 6]]
+    assert cache.layers[0].k[:, :, 0].eq(k).all() and cache.layers[0].pos[:, :, 0].tolist() == [[5, 5], [6, 6]]
 
 
 def test_prompt_compression_by_a_rule_keeps_what_decoding_with_it_would_keep(qwen3):
@@ -260,7 +276,7 @@ def test_prompt_compression_by_a_rule_keeps_what_decoding_with_it_would_keep(qwe
     for policy, rule, n_sink in (("random", "decode", 0), ("longflow", "streaming", 8)):
         cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, n_sink=n_sink), rule)
         model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
-        kept = set(cache.pos[0][0, 0, :39].tolist())
+        kept = set(cache.layers[0].pos[0, 0, :39].tolist())
         if policy == "random":
             assert kept == set(random_score(torch.arange(90), 0).topk(39).indices.tolist())
         else:

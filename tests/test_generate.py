@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from safetensors.torch import load_file, save_file
 
 import generate
@@ -35,11 +36,13 @@ def test_compiled_step_never_recompiles_and_matches_eager(checkpoints):
     # budget 36 < prompt + 40 new tokens: the LongFlow eviction path runs inside the compiled step
     eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget=36)
     torch._dynamo.reset()
+    counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         engine = Engine(model, compile=True)
         compiled, _ = engine.generate(prompts, 40, [], budget=36)
         again, _ = engine.generate(prompts, 40, [], budget=36)  # reuses the compiled step and the cache
     assert compiled == eager == again
+    assert counters["stats"]["unique_graphs"] == 2  # one compiled layer runs both layers; plus the sampling
     assert all(len(o) == 40 for o in compiled)
 
 
@@ -102,7 +105,7 @@ def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     cfg, dtype = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
     fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
     row = generate.bytes_per_row(cfg, 3200, dtype)
-    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4) + 24 * 320  # 2 layers x 2 KV heads x (K, V of 32 bf16 + pos)
+    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 4) + 24 * 320  # 2 layers x 2 KV heads x (K, V of 32 bf16, pos, ||v||_1)
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
     assert generate.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0

@@ -126,6 +126,20 @@ def test_strided_views_and_int32_positions():
                     kernel.decode_attention_ref(q, k, v, pos, per_head=per_head, window=5))
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+def test_stored_value_norms_are_the_ones_scored(per_head):
+    """The cache passes each slot's ||v||_1 (kept since the token was written) instead of letting the kernel
+    reduce V: given norms must be used as they are. Random norms: kernel == reference; then one slot's
+    norm set to 0 must be the one evicted, though its V is as large as any."""
+    args = make_inputs(2, 8, 2, 100, 64, seed=3)
+    vnorm = torch.rand(2, 2, 100, generator=torch.Generator().manual_seed(4)).to(DEVICE) + 0.5
+    assert_same(kernel.decode_attention(*args, per_head=per_head, vnorm=vnorm),
+                kernel.decode_attention_ref(*args, per_head=per_head, vnorm=vnorm))
+    vnorm[:, :, 37] = 0.0
+    for fn in (kernel.decode_attention, kernel.decode_attention_ref):
+        assert (fn(*args, per_head=per_head, vnorm=vnorm)[1] == 37).all()
+
+
 def test_select_false_returns_minus_one_and_leaves_acc_alone():
     args = make_inputs(1, 4, 2, 40, 64)
     acc = torch.ones(1, 2, 40, device=DEVICE)
@@ -292,7 +306,7 @@ FRONTEND = textwrap.dedent("""
     pos, acc = torch.zeros(1, 2, 300), torch.zeros(1, 2, 300)
     split_count = kernel._split_count
     for kw in [{}, dict(per_head=True, n_sink=2, window=3, acc=acc), dict(n_sink=2, acc=acc),
-               dict(select=False), dict(per_head=True, value_norm=False)]:
+               dict(select=False), dict(per_head=True, value_norm=False), dict(vnorm=acc)]:
         for kernel._split_count in (split_count, lambda *_: 1):
             kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pos.int(), **kw)
 """)
@@ -303,7 +317,7 @@ def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.abspath(kernel.__file__)))
     run = subprocess.run([sys.executable, "-c", FRONTEND], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split().count("_attend_kernel") == 10 and run.stdout.split().count("_finish_kernel") == 9
+    assert run.stdout.split().count("_attend_kernel") == 12 and run.stdout.split().count("_finish_kernel") == 11
 
 
 @gpu_only
