@@ -1,6 +1,6 @@
 """The transformer (Qwen3, Qwen2 / R1-Distill-Qwen, Llama / R1-Distill-Llama), its config, and loading
 Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's tensor names
-(`model.layers.3.self_attn.q_proj.weight`), so loading needs no rename table."""
+(`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are stored fused (FUSED)."""
 import json
 import math
 import os
@@ -117,9 +117,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.sizes = [q_dim, kv_dim, kv_dim]  # qkv_proj's rows: the checkpoint's q_proj, k_proj, v_proj
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:  # Qwen3 normalises each head of q and k before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -128,9 +127,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: Layer, rows):
         B, T, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(B, T, c.n_heads, c.head_dim)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim)
+        v = v.view(B, T, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -145,12 +145,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.sizes = [cfg.intermediate_size] * 2  # gate_up_proj's rows: the checkpoint's gate_proj, up_proj
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -233,11 +234,31 @@ def read_json(folder: str, name: str, required=True) -> dict:
         return json.load(f)
 
 
+# Projections that read the same input are one matrix in the model, so a decode step runs one GEMM (a GEMV
+# at batch 1) where it would run three or two; the checkpoint stores the parts under their own names.
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def checkpoint_params(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every tensor the checkpoint fills, by its name there: the parameters, each fused projection split
+    into row views named after its parts (filling the views fills the fused matrix)."""
+    params = {}
+    for name, p in model.named_parameters():
+        owner, _, rest = name.rpartition(".")  # e.g. "model.layers.0.self_attn.qkv_proj", "weight"
+        parent, _, module = owner.rpartition(".")
+        if module not in FUSED:
+            params[name] = p
+            continue
+        for part, rows in zip(FUSED[module], p.split(model.get_submodule(parent).sizes)):
+            params[f"{parent}.{part}.{rest}"] = rows
+    return params
+
+
 def load_weights(model: Transformer, folder: str, device, dtype):
     """Fill every parameter exactly once from the safetensors files, straight to device and dtype."""
     index = read_json(folder, "model.safetensors.index.json", required=False)
     files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    params = dict(model.named_parameters())
+    params = checkpoint_params(model)
     filled = set()
     for file in files:
         path = os.path.join(folder, file)

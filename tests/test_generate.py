@@ -184,6 +184,10 @@ def set_yarn(c):
     (None, lambda w: w.pop("model.norm.weight"), "missing 1 weight.*model.norm.weight"),
     (None, lambda w: w.update(extra=torch.zeros(2)), "unexpected weight 'extra'"),
     (None, lambda w: w.update({"model.norm.weight": torch.zeros(3)}), "'model.norm.weight' has shape \\[3\\]"),
+    # parts of a fused projection (qkv_proj, gate_up_proj) are named and checked one by one
+    (None, lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"), "missing 1 weight.*layers.1.self_attn.k_proj"),
+    (None, lambda w: w.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 63)}),
+     "'model.layers.0.mlp.up_proj.weight' has shape \\[128, 63\\]"),
 ])
 def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config, weights, message):
     folder = broken_checkpoint(checkpoints, tmp_path, config, weights)
