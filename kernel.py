@@ -79,9 +79,10 @@ NEG_BIG = tl.constexpr(-1e30)
 KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
 # Launch settings, from sweeps on the H200 (bf16, 32/8 heads, D 128, S 3200, batch 1 to 256): attention with
 # selection 2 warps and 2 stages (batch 64: 235 us; 4 warps 316), without it 4 warps and 2 stages (SDPA's
-# speed); the finish kernel 2 warps (4: +2%, 8: +10%).
+# speed); the finish kernel 2 warps when it only scores (4: +2% at batch 64), 4 when it also merges the
+# splits of a small batch (batch 1: 4.3 us against 7.6 with 2).
 ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
-FINISH_LAUNCH = dict(num_warps=2)
+FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=2)}  # by split
 
 
 @triton.jit
@@ -327,7 +328,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
             S, n_split, n_chunks, n_sink, window, *pos.stride(), *(acc.stride() if acc is not None else (0,) * 3),
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
-            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, **FINISH_LAUNCH)
+            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, **FINISH_LAUNCH[split])
     return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
 
 
