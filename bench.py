@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import kernel
 from cache import KVCache
@@ -254,14 +255,20 @@ def bench_throughput(args, bw, model):
 
 def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
     """Check the method once against reality: a real run of --validate new tokens through the engine
-    (prefill, graph replays, host syncs) against the step time predicted for the same fills."""
+    (prefill, graph replays, host syncs) against the step time predicted for the same fills. The run
+    must not compile anything again, and its memory must stay the same from its first token to its last."""
     n = args.validate
     fills = [args.prompt_len, args.prompt_len + n] if policy == "full" else [args.budget]
     predicted = run_mean([timer.seconds_per_step(f) for f in fills])
     timer.free()  # the engine allocates its own cache of the same size
     prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
     engine = Engine(model, compile=args.compile)
-    _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0, batch_size=B)
+    seen = []  # (GPU memory, graphs compiled so far) at every host sync of the run, from the first token on
+    memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
+    record = lambda _: seen.append((memory(), counters["stats"]["unique_graphs"]))
+    _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0,
+                            batch_size=B, on_tokens=record)
+    assert len(set(seen)) == 1, f"memory grew or something compiled while decoding: {seen}"
     steps = -(-(n - 1) // engine.sync_every) * engine.sync_every  # the engine steps in whole sync chunks
     return dict(validate_tokens=n, predicted_ms_per_step=predicted * 1e3, real_ms_per_step=st.decode_s / steps * 1e3)
 
