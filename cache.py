@@ -118,7 +118,8 @@ class KVCache:
         self.prompt_rule, self.slots = prompt_rule, slots
         p = self.policy
         # ||v||_1 is computed once, when a token is written, so the kernel never reduces V tiles for it
-        self.keeps_score, self.keeps_vnorm = p.accumulate or p.rule == "knorm", p.rule == "kernel" and p.value_norm
+        self.keeps_score = p.accumulate or p.rule == "knorm"
+        self.keeps_vnorm = p.rule == "kernel" and p.value_norm
         self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]
 
     def new_layer(self, cfg, batch: int, slots: int, device, dtype, index: int) -> Layer:
@@ -156,7 +157,8 @@ class KVCache:
         if self.keeps_vnorm:
             c.vnorm.index_put_(at, v.float().abs().sum(-1))
         if self.keeps_score:  # the new token's history starts now: its key norm (knorm), or nothing yet
-            c.score.index_put_(at, k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32))
+            fresh = k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32)
+            c.score.index_put_(at, fresh)
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
         scored = p.rule == "kernel"
         # a cache that fills in order (full) reads only the slots filled so far

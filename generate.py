@@ -2,10 +2,11 @@
 
     python generate.py --model Qwen/Qwen3-8B --budget 3200 --prompt "How many primes are below 100?"
 
-The decode step is one small function. It reads and advances its own state in place (current tokens,
-positions, the output history), so the host only replays it: compiled once with torch.compile, captured
-once as a CUDA graph, never synchronised with inside the step. The host looks at the output every
-`sync_every` steps to stop at EOS and to stream text.
+The decode step (Stepper.step) reads and advances its own state in place (current tokens, positions,
+the output history), so the host only replays it: one layer compiled with torch.compile and used for
+every layer, the sampling compiled, the whole step captured once as a CUDA graph, never synchronised
+with inside the step. The host looks at the output every `sync_every` steps to stop at EOS and to
+stream text.
 """
 import argparse
 import math

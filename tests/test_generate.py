@@ -105,7 +105,8 @@ def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     cfg, dtype = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
     fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
     row = generate.bytes_per_row(cfg, 3200, dtype)
-    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 4) + 24 * 320  # 2 layers x 2 KV heads x (K, V of 32 bf16, pos, ||v||_1)
+    # 2 layers x 2 KV heads x (K and V of 32 bf16, the int32 position, the fp32 ||v||_1) + sampling buffers
+    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 4) + 24 * 320
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
     assert generate.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
