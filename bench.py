@@ -4,6 +4,7 @@
     python bench.py step --shape Qwen3-8B --batch 1      # one decode step (--profile: its kernels)
     python bench.py throughput --shape Qwen3-8B          # 16k outputs at the largest batch that fits,
                                                          # longflow and full (--validate N: check it)
+    python bench.py throughput --batch 16 64 128 --budget 1024 2048 3200 --plot sweep.png   # a sweep
     python bench.py generate --shape Qwen3-0.6B          # end to end through the engine
     python bench.py long-prompt --shape R1-Distill-Llama-8B --prompt-len 131072 --new-tokens 256
     python bench.py hf --shape Qwen3-8B --batch 1 32     # transformers full-KV generate, the baseline
@@ -233,7 +234,8 @@ def bench_throughput(args, bw, model):
         for B in args.batch or [fits]:
             timer = StepTimer(model, policy, B, slots, args.compile)
             if policy == "full":
-                fills = [args.prompt_len + round(f * (args.new_tokens - 64)) for f in (0, .25, .5, .75, 1)]
+                span = max(args.new_tokens - 64, 0)  # room for the timed steps after the last fill
+                fills = [args.prompt_len + round(f * span) for f in (0, .25, .5, .75, 1)]
             else:
                 fills = [args.budget]
             steps = [step_row(timer, f, bw) for f in fills]
@@ -348,7 +350,7 @@ def progress(row: dict):
 
 
 def plot(rows, path):
-    """Throughput against batch size, one line per policy (needs matplotlib)."""
+    """Throughput against batch size, one line per policy and budget (needs matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -357,9 +359,10 @@ def plot(rows, path):
         print("matplotlib is not installed: no plot")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in sorted({r["policy"] for r in rows}):
-        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["policy"] == policy)
-        ax.plot(*zip(*pts), marker="o", label=policy)
+    label = lambda r: r["policy"] if r["policy"] == "full" else f"{r['policy']} {r['slots']}"
+    for name in sorted({label(r) for r in rows}):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if label(r) == name)
+        ax.plot(*zip(*pts), marker="o", label=name)
     ax.set(xlabel="batch size", ylabel="tokens/s", xscale="log", title="decode throughput")
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -375,7 +378,7 @@ def main():
     p.add_argument("--shape", default="Qwen3-8B", choices=sorted(SHAPES))
     p.add_argument("--model", default=None, help="a real checkpoint instead of random weights")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="default: 1 and 64, or the largest that fits")
-    p.add_argument("--budget", type=int, default=3200)
+    p.add_argument("--budget", type=int, nargs="+", default=[3200], help="several: the workload runs for each")
     p.add_argument("--slots", type=int, default=3200, help="kernel: slots per sequence")
     p.add_argument("--context", type=int, default=16384, help="step, full policy: tokens in the cache")
     p.add_argument("--policy", nargs="+", default=["longflow", "full"])
@@ -392,6 +395,9 @@ def main():
     args.device, args.dtype = pick_device(args.device, None)
     if args.device.type != "cuda" and args.workload == "kernel":
         raise SystemExit("error: the kernel workload times CUDA kernels and needs a GPU")
+    if len(args.budget) > 1 and args.workload not in ("step", "throughput", "generate"):
+        raise SystemExit(f"error: the {args.workload} workload takes one --budget; several are for step, "
+                         "throughput and generate")
     if args.batch is None and (args.workload in ("kernel", "step") or args.device.type != "cuda"):
         args.batch = [1, 64] if args.device.type == "cuda" else [1, 2]
     bw = copy_bandwidth(args.device)
@@ -399,7 +405,10 @@ def main():
           f"copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
     model = make_model(args) if args.workload not in ("kernel", "hf") else None
-    rows = WORKLOADS[args.workload](args, bw, model)
+    rows, budgets, policies = [], args.budget, args.policy
+    for i, args.budget in enumerate(budgets):  # a sweep over budgets: the full cache needs no second run
+        args.policy = policies if i == 0 else [p for p in policies if p != "full"]
+        rows += WORKLOADS[args.workload](args, bw, model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(bandwidth=bw, device=str(args.device), torch=torch.__version__,

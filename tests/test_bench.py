@@ -34,3 +34,17 @@ def test_bench_transformers_baseline_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["tokens_per_s"] > 0
+
+
+def test_bench_sweeps_batches_and_budgets_and_runs_the_full_cache_once(tmp_path):
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, "bench.py", "throughput", "--shape", "tiny", "--device", "cpu", "--no-compile",
+                        "--batch", "1", "3", "--budget", "40", "48", "--new-tokens", "24", "--prompt-len", "30",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = sorted((row["policy"], row["slots"], row["batch"]) for row in json.loads(out.read_text())["rows"])
+    assert runs == [("full", 54, 1), ("full", 54, 3), ("longflow", 40, 1), ("longflow", 40, 3),
+                    ("longflow", 48, 1), ("longflow", 48, 3)]
+    bad = subprocess.run([sys.executable, "bench.py", "long-prompt", "--shape", "tiny", "--device", "cpu",
+                          "--budget", "40", "48"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("error: the long-prompt workload takes one --budget")
