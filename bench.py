@@ -174,7 +174,7 @@ class StepTimer:
     def kv_bytes_read(self, filled: int) -> int:
         """LongFlow reads every slot; the full cache reads the slots filled so far."""
         read = self.slots if self.policy != "full" else filled
-        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype, vnorm=self.policy != "full")
+        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype, self.cache.policy)
 
     def free(self):
         self.stepper = self.cache = self.state = None
@@ -187,7 +187,7 @@ def fill_cache(cache: KVCache, filled: int):
     for layer in cache.layers:
         layer.k.normal_()
         layer.v.normal_()
-        if cache.keeps_vnorm:
+        if cache.policy.keeps_vnorm:
             layer.vnorm.copy_(layer.v.float().abs().sum(-1))
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)

@@ -34,6 +34,14 @@ class Policy:
     window: int = 0  # nor the `window` most recent tokens
     window_share: float = 0  # default window: this share of the budget left after the sinks
 
+    @property
+    def keeps_vnorm(self) -> bool:  # ||v||_1 per slot, stored with the token: for the rules scored with it
+        return self.rule == "kernel" and self.value_norm
+
+    @property
+    def keeps_score(self) -> bool:  # a per-slot history: accumulated scores (h2o, vatp) or key norms (knorm)
+        return self.accumulate or self.rule == "knorm"
+
 
 POLICIES = {
     "full": Policy("fill"),
@@ -115,11 +123,9 @@ class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
                  prompt_rule: str = "snapkv"):
         self.policy = resolve_policy(policy, slots) if isinstance(policy, str) else policy
+        if prompt_rule not in PROMPT_RULES:
+            raise ValueError(f"unknown prompt compression {prompt_rule!r}; choose one of {', '.join(PROMPT_RULES)}")
         self.prompt_rule, self.slots = prompt_rule, slots
-        p = self.policy
-        # ||v||_1 is computed once, when a token is written, so the kernel never reduces V tiles for it
-        self.keeps_score = p.accumulate or p.rule == "knorm"
-        self.keeps_vnorm = p.rule == "kernel" and p.value_norm
         self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]
 
     def new_layer(self, cfg, batch: int, slots: int, device, dtype, index: int) -> Layer:
@@ -131,12 +137,15 @@ class KVCache:
                      v=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
                      pos=torch.full(shape, -1, device=device, dtype=torch.int32),
                      next_slot=torch.zeros(shape[:2], device=device, dtype=torch.int64),
-                     score=f32(self.keeps_score), vnorm=f32(self.keeps_vnorm),
+                     score=f32(self.policy.keeps_score), vnorm=f32(self.policy.keeps_vnorm),
                      index=torch.tensor(index, device=device))
 
     @staticmethod
-    def bytes_needed(cfg, batch: int, slots: int, dtype, vnorm: bool = True) -> int:
-        per_slot = 2 * cfg.head_dim * dtype.itemsize + 4 + 4 * vnorm  # K and V, int32 position, fp32 ||v||_1
+    def bytes_needed(cfg, batch: int, slots: int, dtype, policy: Policy | None = None) -> int:
+        """K and V, the int32 position and the fp32 values the policy keeps beside each slot (policy None:
+        the most any policy keeps, for sizing a batch)."""
+        fp32_kept = 2 if policy is None else policy.keeps_vnorm + policy.keeps_score
+        per_slot = 2 * cfg.head_dim * dtype.itemsize + 4 + 4 * fp32_kept
         return cfg.n_layers * batch * cfg.n_kv_heads * slots * per_slot
 
     def reset(self):
@@ -154,9 +163,9 @@ class KVCache:
         c.k.index_put_(at, k)
         c.v.index_put_(at, v)
         c.pos.index_put_(at, positions.int()[:, None].expand(B, H))
-        if self.keeps_vnorm:
+        if p.keeps_vnorm:  # computed once, here, so the kernel never reduces V tiles for it
             c.vnorm.index_put_(at, v.float().abs().sum(-1))
-        if self.keeps_score:  # the new token's history starts now: its key norm (knorm), or nothing yet
+        if p.keeps_score:  # the new token's history starts now: its key norm (knorm), or nothing yet
             fresh = k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32)
             c.score.index_put_(at, fresh)
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
@@ -165,7 +174,7 @@ class KVCache:
         out, evict = attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window,
                             select=scored, value_norm=p.value_norm, acc=c.score if p.accumulate else None,
                             limit=c.next_slot + 1 if p.rule == "fill" else None,
-                            vnorm=c.vnorm if self.keeps_vnorm else None)
+                            vnorm=c.vnorm if p.keeps_vnorm else None)
         # a full cache is sized for every token, so slots fill in order; a finished sequence that steps on
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
@@ -209,7 +218,7 @@ class KVCache:
             c.score[rows] = 0.0
         if self.policy.rule == "knorm":
             c.score[rows, :, :T] = k.float().norm(dim=-1)
-        if self.keeps_vnorm:
+        if self.policy.keeps_vnorm:
             c.vnorm[rows, :, :T] = v.float().abs().sum(-1)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
         c.next_slot[rows] = (c.pos[rows] >= 0).sum(-1)
@@ -217,16 +226,17 @@ class KVCache:
 
     def prompt_keep(self, layer: Layer, q, k, v, positions, n_keep: int):
         """The prompt tokens that stay when a prompt does not fit: SnapKV (default), StreamingLLM's first
-        4 + most recent, or the policy's own decode rule scored for the last prompt query. Returns
-        indices into T [R, H_kv, n_keep], sorted, real tokens before padding."""
+        4 + most recent, or the policy's own decode rule scored for the last prompt query. The policy's
+        sinks and recent window stay whatever the rule. Returns indices into T [R, H_kv, n_keep], sorted,
+        real tokens before padding."""
         p, R, H, T = self.policy, *k.shape[:3]
         pos = positions[:, None].expand(R, H, T)  # [R, H_kv, T]
-        if self.prompt_rule == "snapkv":
-            return top_tokens(snapkv_score(q, k, positions, p.per_head), pos, n_keep)
         if self.prompt_rule == "streaming":
             sinks = max(p.n_sink, 4)
             return top_tokens(torch.where(pos < sinks, pos.max() + 1, pos).float(), pos, n_keep)
-        if p.rule == "kernel":  # alpha of the last real query, (times ||v||_1), mean over heads
+        if self.prompt_rule == "snapkv":
+            score = snapkv_score(q, k, positions, p.per_head)
+        elif p.rule == "kernel":  # alpha of the last real query, (times ||v||_1), mean over heads
             last = q.gather(2, ((positions >= 0).sum(1) - 1)[:, None, None, None].expand(R, q.shape[1], 1, q.shape[3]))
             logits = last.float().view(R, H, -1, q.shape[3]) @ k.float().transpose(2, 3) / q.shape[3] ** 0.5
             alpha = logits.masked_fill(pos[:, :, None] < 0, float("-inf")).softmax(-1)  # [R, H_kv, G, T]

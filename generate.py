@@ -106,13 +106,13 @@ def advance(logits, state: State, s: Sampling):
 class Stepper:
     """Runs the decode step: its layers and its sampling compiled (fullgraph, static shapes) and, on CUDA,
     the whole step captured as one CUDA graph and replayed. Compilation and capture happen here, on the
-    empty cache, which is then emptied again (the warm-up steps wrote one junk token that is simply
-    marked as an empty slot)."""
+    empty cache, which is then emptied again (the warm-up steps wrote junk tokens that are simply marked
+    as empty slots)."""
 
     def __init__(self, model, cache, state, sampling, compile=True):
         self.model, self.cache, self.state, self.sampling = model, cache, state, sampling
-        # every batch shape, policy and sampling setting compiles its own code; dynamo keeps 8 by default
-        # and would quietly run the ninth eagerly
+        # every batch shape, policy and sampling setting compiles its own code; dynamo keeps 8 versions of
+        # a function by default and, with fullgraph, fails on the ninth
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False) if compile else fn
         self.run_block, self.advance = compiled(run_block), compiled(advance)
@@ -212,6 +212,8 @@ class Engine:
         on_tokens(new_ids) streams the first prompt's output. prompt_rule: how prompts longer than
         the budget are compressed (cache.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if isinstance(policy, str):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
         longest = max(map(len, prompts))
@@ -229,16 +231,18 @@ class Engine:
         outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
-        full = sum(len(p) + len(o) for p, o in zip(prompts, outs)) * cfg.kv_bytes_per_token(self.dtype)
+        every_token = sum(len(p) + len(o) for p, o in zip(prompts, outs))
+        full = KVCache.bytes_needed(cfg, 1, every_token, self.dtype, POLICIES["full"])
         stats = Stats(sum(map(len, prompts)), sum(map(len, outs)), batch, t1 - t0, prefill_s,
-                      t2 - t1 - prefill_s, budget, KVCache.bytes_needed(cfg, batch, budget, self.dtype), full)
+                      t2 - t1 - prefill_s, budget, KVCache.bytes_needed(cfg, batch, budget, self.dtype, policy), full)
         return outs, stats
 
     def free_bytes(self) -> int:
         """Free GPU memory, counting the current cache, which is given back before a new one is made."""
         free = torch.cuda.mem_get_info(self.device)[0]
         if self.cache is not None:
-            free += KVCache.bytes_needed(self.model.cfg, self.state.tokens.shape[0], self.cache.slots, self.dtype)
+            free += KVCache.bytes_needed(self.model.cfg, self.state.tokens.shape[0], self.cache.slots, self.dtype,
+                                         self.cache.policy)
         return free
 
     def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int) -> int:
@@ -439,9 +443,9 @@ def run(args):
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
     printed = []
 
-    def stream(new_ids):  # print the text decoded so far, past what is already on screen
+    def stream(new_ids, last=False):  # print the text decoded so far, past what is already on screen
         out = tok.decode(new_ids)
-        if out.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
             return
         print(out[len(printed[0]) if printed else 0:], end="", flush=True)
         printed[:] = [out]
@@ -450,7 +454,9 @@ def run(args):
                                   Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p),
                                   args.seed, batch,
                                   on_tokens=stream if batch == 1 else None, prompt_rule=args.prompt_compression)
-    if batch > 1:
+    if batch == 1:
+        stream(outs[0], last=True)  # whatever a cut-off character held back
+    else:
         for i, o in enumerate(outs):
             print(f"--- sequence {i} ---\n{tok.decode(o)}")
     print("\n" + stats.line())

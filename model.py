@@ -70,9 +70,6 @@ class Config:
             qk_norm=kind == "qwen3",
             eos_token_id=[] if eos is None else eos if isinstance(eos, list) else [eos])
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.itemsize
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

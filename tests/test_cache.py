@@ -109,6 +109,17 @@ def test_long_prompt_is_compressed_to_budget_minus_one_keeping_the_last_32(qwen3
             assert sorted(p for p in pos[1, h].tolist() if p >= 0) == [0, 1, 2, 3]  # short row kept
 
 
+def test_snapkv_compression_keeps_the_policys_sinks_and_recent_window(qwen3):
+    """vatp protects its first 20 tokens and a recent window: SnapKV must not drop them from a long prompt."""
+    model, _ = qwen3
+    policy = resolve_policy("vatp", 64)
+    cache = KVCache(model.cfg, 1, 64, "cpu", torch.float32, policy)
+    model(torch.randint(0, 300, (1, 150)), torch.arange(150)[None], cache, rows=torch.tensor([0]),
+          last=torch.tensor([149]))
+    kept = set(cache.layers[0].pos[0, 0].tolist())
+    assert set(range(20)) | set(range(150 - policy.window, 150)) <= kept and len(kept - {-1}) == 63
+
+
 def test_snapkv_keeps_the_centre_of_what_the_window_attends_to():
     """Every window query attends strongly to tokens 10..14. Pooling over 5 neighbours ranks the centre
     12 first (5 of 5 strong neighbours), then 11 and 13 (4 of 5): those three stay, with the window."""
@@ -168,7 +179,7 @@ def full_cache(policy, S=8, n_q=2):
     cache.layers[0].pos[:] = torch.arange(S, dtype=torch.int32)
     cache.layers[0].k[:] = 0.0
     cache.layers[0].v[:] = 1.0
-    cache.layers[0].vnorm[:] = 4.0 if cache.keeps_vnorm else 0.0  # ||v||_1 of those values
+    cache.layers[0].vnorm[:] = 4.0 if cache.policy.keeps_vnorm else 0.0  # ||v||_1 of those values
     cache.layers[0].next_slot[:] = S - 1
     q = torch.zeros(1, n_q, 4)
     k = torch.zeros(1, 2, 4)
@@ -201,7 +212,7 @@ def test_longflow_evicts_a_zero_value_that_tova_keeps():
         q[..., 0] = 4.0
         cache.layers[0].k[0, :, 3, 0] = 2.0  # q . k_3 is large
         cache.layers[0].v[0, :, 3] = 0.0
-        if cache.keeps_vnorm:  # norms are recorded when values are written
+        if cache.policy.keeps_vnorm:  # norms are recorded when values are written
             cache.layers[0].vnorm[:] = cache.layers[0].v.abs().sum(-1)
         assert step(cache, q, k, v, positions) == [want, want], policy
 

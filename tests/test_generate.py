@@ -97,6 +97,9 @@ def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
         llm.generate([""])
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 99999]])
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            llm.generate(["Hi"], batch_size=bad)
     with pytest.raises(TypeError, match="list"):
         llm.generate("Hi")
 
@@ -105,8 +108,9 @@ def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     cfg, dtype = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
     fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
     row = generate.bytes_per_row(cfg, 3200, dtype)
-    # 2 layers x 2 KV heads x (K and V of 32 bf16, the int32 position, the fp32 ||v||_1) + sampling buffers
-    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 4) + 24 * 320
+    # 2 layers x 2 KV heads x (K and V of 32 bf16, the int32 position, at most two fp32 values kept beside a
+    # slot) + the sampling buffers
+    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 8) + 24 * 320
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
     assert generate.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
