@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 import kernel
 from cache import KVCache
 from generate import Engine, Sampling, State, Stepper, batch_that_fits, pick_device, sync_time
-from model import Config, load, random_model
+from model import Config, empty_model, load
 
 SHAPES = {
     "Qwen3-0.6B": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -122,6 +122,15 @@ def bench_kernel(args, bw, _):
 
 
 # ---- the decode step at a given cache fill --------------------------------------------------------------
+def random_model(cfg: Config, device, dtype, seed: int = 0):
+    """Random weights of a real shape, for benchmarks where no checkpoint can be downloaded."""
+    model = empty_model(cfg, device, dtype)
+    gen = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=gen)
+    return model
+
+
 def make_model(args):
     if args.model:
         return load(args.model, args.device, args.dtype)[0]

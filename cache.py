@@ -106,6 +106,14 @@ def random_score(pos, layer):
     return hash32(pos.long() * 0x9E3779B1 + layer).float()
 
 
+def rule_score(rule: str, pos, key_norm, layer):
+    """The eviction score (lowest goes) of the rules that need no attention: the oldest position
+    (StreamingLLM), a fixed hash of (position, layer), or the largest key norm. pos, key_norm: [.., S]."""
+    if rule == "oldest":
+        return pos.float()
+    return random_score(pos, layer) if rule == "random" else -key_norm
+
+
 @dataclass
 class Layer:
     """One layer's slots and what is kept beside them. A plain object of tensors (the layer number is a
@@ -179,22 +187,10 @@ class KVCache:
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
             evict = (c.next_slot + 1).clamp(max=self.slots - 1)
-        elif not scored:
-            evict = self.choose_in_torch(c)
+        elif not scored:  # the rules that need no attention pick in PyTorch (c.score: knorm's key norms)
+            evict = argmin_slot(rule_score(p.rule, c.pos, c.score, c.index), c.pos, p)
         c.next_slot.copy_(evict)
         return out
-
-    def choose_in_torch(self, layer: Layer):
-        """The rules that need no attention: the oldest token (StreamingLLM), a seeded random slot, or
-        the largest key norm. Returns [B, H_kv] slots."""
-        p, pos = self.policy, layer.pos  # [B, H_kv, S]
-        if p.rule == "oldest":
-            score = pos.float()
-        elif p.rule == "random":
-            score = random_score(pos, layer.index)
-        else:  # knorm
-            score = -layer.score
-        return argmin_slot(score, pos, p)
 
     # ---- prefill: a batch of (right-padded) prompts ------------------------------------------------
     def prefill(self, layer: Layer, q, k, v, positions, rows):
@@ -244,8 +240,7 @@ class KVCache:
             score = score.mean(2) if p.per_head else score.mean((1, 2))[:, None].expand(R, H, T)
         else:
             # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
-            score = {"oldest": pos.float(), "random": random_score(pos, layer.index),
-                     "knorm": -k.float().norm(dim=-1)}[p.rule]
+            score = rule_score(p.rule, pos, k.float().norm(dim=-1), layer.index)
             score = score if p.per_head else score.mean(1, keepdim=True).expand(R, H, T)
         protected = kernel.protected_mask(pos, p.n_sink, p.window)
         return top_tokens(score.masked_fill(protected, float("inf")), pos, n_keep)

@@ -212,7 +212,7 @@ class Engine:
         on_tokens(new_ids) streams the first prompt's output. prompt_rule: how prompts longer than
         the budget are compressed (cache.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        if batch_size is not None and (type(batch_size) is not int or batch_size < 1):  # (bool is not int)
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if isinstance(policy, str):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)

@@ -295,15 +295,6 @@ def load_model(folder: str, device, dtype) -> Transformer:
     return model
 
 
-def random_model(cfg: Config, device, dtype, seed: int = 0) -> Transformer:
-    """Random weights of a real shape, for benchmarks where no checkpoint can be downloaded."""
-    model = empty_model(cfg, device, dtype)
-    gen = torch.Generator(device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=gen)
-    return model
-
-
 class Tokenizer:
     """tokenizer.json through `tokenizers`, the model's own chat template through jinja2, EOS ids and
     sampling defaults from generation_config.json."""
