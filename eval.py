@@ -168,8 +168,11 @@ def _numbers_equal(reference: str, answer: str) -> bool | None:
 
 def _math_verify(reference: str, answer: str, timeout: int | None) -> bool:
     """math-verify's verdict; False on any failure inside the library (parse error, timeout)."""
-    from math_verify import parse, verify  # imported late: loading sympy takes a second
-    from math_verify.errors import TimeoutException
+    try:  # imported late: loading sympy takes a second
+        from math_verify import parse, verify
+        from math_verify.errors import TimeoutException
+    except ImportError:
+        raise ImportError("grading answers needs math-verify: pip install -e '.[eval]'") from None
 
     try:  # wrapping in \boxed{} makes math-verify read exactly this string, units and all
         gold = parse("\\boxed{" + reference + "}", parsing_timeout=timeout)

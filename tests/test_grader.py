@@ -15,6 +15,10 @@ import pytest
 
 import eval as ev
 
+# the grader's symbolic half is the `eval`/`test` extra (CI installs it); a machine without it (the GPU
+# box, which cannot download) skips this file rather than failing on the import
+pytest.importorskip("math_verify")
+
 
 def boxed(answer: str) -> str:
     return "Some reasoning first.\nSo the answer is \\boxed{" + answer + "}."
