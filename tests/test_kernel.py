@@ -322,7 +322,7 @@ def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
 
 @gpu_only
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("B, S", [(1, 3200), (64, 1000)])
+@pytest.mark.parametrize("B, S", [(1, 3200), (64, 1000), (256, 3200)])  # Qwen3-8B heads
 def test_bf16_matches_reference_within_tolerance(B, S, per_head):
     q, k, v, pos = make_inputs(B, 32, 8, S, 128, n_empty=0, dtype=torch.bfloat16)
     out, evict = kernel.decode_attention(q, k, v, pos, per_head=per_head)
