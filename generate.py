@@ -349,6 +349,9 @@ def sync_time(device) -> float:
     return time.perf_counter()
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def pick_device(device: str | None, dtype: str | torch.dtype | None):
     """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
     if device is None:
@@ -366,9 +369,6 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     return device, dtype
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ---- the command line ---------------------------------------------------------------------------------
