@@ -97,7 +97,7 @@ def bench_kernel(args, bw, _):
                  torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16),
                  torch.arange(S, device="cuda", dtype=torch.int32).expand(B, Hkv, S).contiguous())
                 for _ in range(n_sets)]
-        sets = [(*s, s[2].float().abs().sum(-1)) for s in sets]  # + ||v||_1 per slot, as the cache keeps it
+        sets = [(*s, kernel.l1_norm(s[2])) for s in sets]  # + ||v||_1 per slot, as the cache keeps it
         vnorm_bytes = B * Hkv * S * 4
         variants = {  # name: (call, bytes read beyond K, V and positions)
             "longflow": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, vnorm=n), vnorm_bytes),
@@ -197,7 +197,7 @@ def fill_cache(cache: KVCache, filled: int):
         layer.k.normal_()
         layer.v.normal_()
         if cache.policy.keeps_vnorm:
-            layer.vnorm.copy_(layer.v.float().abs().sum(-1))
+            layer.vnorm.copy_(kernel.l1_norm(layer.v))
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
         layer.next_slot.fill_(min(filled, cache.slots - 1))

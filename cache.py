@@ -64,14 +64,18 @@ POLICIES = {
 }
 
 
+def check_prompt_rule(rule: str):
+    if rule not in PROMPT_RULES:
+        raise ValueError(f"unknown prompt compression {rule!r}; choose one of {', '.join(PROMPT_RULES)}")
+
+
 def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, window: int | None = None,
                    prompt_rule: str = "snapkv") -> Policy:
     """The named policy with its protections in slots (its defaults, or the caller's), checked against
     the budget. Raises a clear error for a policy, rule or budget that cannot work."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    if prompt_rule not in PROMPT_RULES:
-        raise ValueError(f"unknown prompt compression {prompt_rule!r}; choose one of {', '.join(PROMPT_RULES)}")
+    check_prompt_rule(prompt_rule)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise ValueError(f"budget must be a positive integer number of KV slots, got {budget!r}")
     for what, value in (("sinks", n_sink), ("window", window)):
@@ -131,8 +135,7 @@ class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
                  prompt_rule: str = "snapkv"):
         self.policy = resolve_policy(policy, slots) if isinstance(policy, str) else policy
-        if prompt_rule not in PROMPT_RULES:
-            raise ValueError(f"unknown prompt compression {prompt_rule!r}; choose one of {', '.join(PROMPT_RULES)}")
+        check_prompt_rule(prompt_rule)
         self.prompt_rule, self.slots = prompt_rule, slots
         self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]
 
@@ -172,7 +175,7 @@ class KVCache:
         c.v.index_put_(at, v)
         c.pos.index_put_(at, positions.int()[:, None].expand(B, H))
         if p.keeps_vnorm:  # computed once, here, so the kernel never reduces V tiles for it
-            c.vnorm.index_put_(at, v.float().abs().sum(-1))
+            c.vnorm.index_put_(at, kernel.l1_norm(v))
         if p.keeps_score:  # the new token's history starts now: its key norm (knorm), or nothing yet
             fresh = k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32)
             c.score.index_put_(at, fresh)
@@ -215,7 +218,7 @@ class KVCache:
         if self.policy.rule == "knorm":
             c.score[rows, :, :T] = k.float().norm(dim=-1)
         if self.policy.keeps_vnorm:
-            c.vnorm[rows, :, :T] = v.float().abs().sum(-1)
+            c.vnorm[rows, :, :T] = kernel.l1_norm(v)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
         c.next_slot[rows] = (c.pos[rows] >= 0).sum(-1)
         return out
@@ -236,7 +239,7 @@ class KVCache:
             last = q.gather(2, ((positions >= 0).sum(1) - 1)[:, None, None, None].expand(R, q.shape[1], 1, q.shape[3]))
             logits = last.float().view(R, H, -1, q.shape[3]) @ k.float().transpose(2, 3) / q.shape[3] ** 0.5
             alpha = logits.masked_fill(pos[:, :, None] < 0, float("-inf")).softmax(-1)  # [R, H_kv, G, T]
-            score = alpha * v.float().abs().sum(-1)[:, :, None] if p.value_norm else alpha
+            score = alpha * kernel.l1_norm(v)[:, :, None] if p.value_norm else alpha
             score = score.mean(2) if p.per_head else score.mean((1, 2))[:, None].expand(R, H, T)
         else:
             # the rule's own eviction score: decoding evicts the lowest, so the highest are kept

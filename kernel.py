@@ -32,6 +32,11 @@ def protected_mask(pos, n_sink: int, window: int):
     return (pos >= 0) & ((pos < n_sink) | (pos > newest - window))
 
 
+def l1_norm(v):
+    """||v||_1 in fp32 over the last dimension, the value norm LongFlow scores with: [..., D] -> [...]."""
+    return v.float().abs().sum(-1)
+
+
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
                          acc=None, limit=None, vnorm=None):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin.
@@ -58,7 +63,7 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
         return out, torch.full((B, H_kv), -1, dtype=torch.int64, device=q.device)
 
     if vnorm is None:
-        vnorm = v.float().abs().sum(-1)  # [B, H_kv, S]
+        vnorm = l1_norm(v)  # [B, H_kv, S]
     score = alpha * vnorm[:, :, None] if value_norm else alpha  # [B, H_kv, G, S]
     protected = protected_mask(pos, n_sink, window)  # [B, H_kv, S]
     if per_head:
@@ -311,7 +316,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     key = torch.empty(B, H_kv, device=q.device, dtype=torch.int64)  # packed (score, slot), or -1
     value_norm = select and value_norm
     if value_norm and vnorm is None:  # an extra pass over V: the cache keeps ||v||_1 to avoid it
-        vnorm = v.float().abs().sum(-1)  # [B, H_kv, S]
+        vnorm = l1_norm(v)  # [B, H_kv, S]
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
         q, k, v, pos, vnorm if value_norm else unused, out, m, l, o, logits, newest, key,
         unused if limit is None else limit, S, chunk,
