@@ -151,6 +151,9 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+MLP_TOKENS = 8192  # prefill runs the MLP over at most this many tokens at once (its activations are the largest)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -161,7 +164,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, positions, cache, layer, rows):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if x.shape[0] * x.shape[1] <= MLP_TOKENS:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        flat = x.view(-1, x.shape[-1])  # a long prefill: the MLP's [tokens, 3 x intermediate] a chunk at a time
+        return torch.cat([t + self.mlp(self.post_attention_layernorm(t)) for t in flat.split(MLP_TOKENS)]).view_as(x)
 
 
 class Transformer(nn.Module):

@@ -11,6 +11,7 @@ import transformers
 
 from cache import KVCache
 from generate import Engine
+import model as model_module
 from model import Config, load
 
 ARCHS = ["qwen3", "qwen2", "llama"]
@@ -41,6 +42,19 @@ def test_prefill_logits_match_transformers(checkpoints, arch):
     logits, _ = prefill_logits(model, tokens, slots=64)
     expected = hf_model(checkpoints[arch])(tokens).logits
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_long_prefill_runs_the_mlp_in_chunks_with_the_same_logits(checkpoints, monkeypatch):
+    """Past model.MLP_TOKENS tokens, prefill splits the MLP (here 80 tokens in chunks of 7, the last one
+    short); the logits still match transformers."""
+    monkeypatch.setattr(model_module, "MLP_TOKENS", 7)
+    calls = []
+    model, _ = ours(checkpoints["qwen3"])
+    model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(3))
+    logits, _ = prefill_logits(model, tokens, slots=64)
+    assert calls == [7] * 11 + [3]
+    torch.testing.assert_close(logits, hf_model(checkpoints["qwen3"])(tokens).logits, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
