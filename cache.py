@@ -93,15 +93,12 @@ def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, win
     return replace(p, n_sink=n_sink, window=window)
 
 
-MASK32 = 0xFFFFFFFF
-
-
 def hash32(x):
     """An integer hash (lowbias32) on int64 tensors holding 32-bit values; products are masked back to
     32 bits, so int64 wrap-around never matters."""
-    x = x & MASK32
+    x = x & 0xFFFFFFFF
     for mul in (0x7FEB352D, 0x846CA68B):
-        x = ((x ^ (x >> 16)) * mul) & MASK32
+        x = ((x ^ (x >> 16)) * mul) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 
@@ -180,17 +177,16 @@ class KVCache:
             fresh = k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32)
             c.score.index_put_(at, fresh)
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
-        scored = p.rule == "kernel"
         # a cache that fills in order (full) reads only the slots filled so far
         out, evict = attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window,
-                            select=scored, value_norm=p.value_norm, acc=c.score if p.accumulate else None,
+                            select=p.rule == "kernel", value_norm=p.value_norm, acc=c.score if p.accumulate else None,
                             limit=c.next_slot + 1 if p.rule == "fill" else None,
                             vnorm=c.vnorm if p.keeps_vnorm else None)
         # a full cache is sized for every token, so slots fill in order; a finished sequence that steps on
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
             evict = (c.next_slot + 1).clamp(max=self.slots - 1)
-        elif not scored:  # the rules that need no attention pick in PyTorch (c.score: knorm's key norms)
+        elif p.rule != "kernel":  # the rules that need no attention pick in PyTorch (c.score: knorm's key norms)
             evict = argmin_slot(rule_score(p.rule, c.pos, c.score, c.index), c.pos, p)
         c.next_slot.copy_(evict)
         return out
@@ -235,12 +231,10 @@ class KVCache:
             return top_tokens(torch.where(pos < sinks, pos.max() + 1, pos).float(), pos, n_keep)
         if self.prompt_rule == "snapkv":
             score = snapkv_score(q, k, positions, p.per_head)
-        elif p.rule == "kernel":  # alpha of the last real query, (times ||v||_1), mean over heads
-            last = q.gather(2, ((positions >= 0).sum(1) - 1)[:, None, None, None].expand(R, q.shape[1], 1, q.shape[3]))
-            logits = last.float().view(R, H, -1, q.shape[3]) @ k.float().transpose(2, 3) / q.shape[3] ** 0.5
-            alpha = logits.masked_fill(pos[:, :, None] < 0, float("-inf")).softmax(-1)  # [R, H_kv, G, T]
-            score = alpha * kernel.l1_norm(v)[:, :, None] if p.value_norm else alpha
-            score = score.mean(2) if p.per_head else score.mean((1, 2))[:, None].expand(R, H, T)
+        elif p.rule == "kernel":  # the decode score of the last real query, which the reference adds into acc
+            last = q[torch.arange(R), :, (positions >= 0).sum(1) - 1]  # [R, H_q, D]
+            score = q.new_zeros(R, H, T, dtype=torch.float32)
+            kernel.decode_attention_ref(last, k, v, pos, per_head=p.per_head, value_norm=p.value_norm, acc=score)
         else:
             # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
             score = rule_score(p.rule, pos, k.float().norm(dim=-1), layer.index)
@@ -275,17 +269,17 @@ def snapkv_score(q, k, positions, per_head: bool):
     B, Hq, T, D = q.shape
     H = k.shape[1]
     lengths = (positions >= 0).sum(1)  # [B]
+    idx = torch.arange(T, device=q.device)
     win = (lengths[:, None] - SNAPKV_WINDOW + torch.arange(SNAPKV_WINDOW, device=q.device)).clamp(min=0)
     q_win = q.gather(2, win[:, None, :, None].expand(B, Hq, SNAPKV_WINDOW, D))  # [B, H_q, W, D]
     k_all = k.repeat_interleave(Hq // H, 1)  # [B, H_q, T, D]
     logits = (q_win.float() @ k_all.float().transpose(2, 3)) / D ** 0.5  # [B, H_q, W, T]
-    visible = (positions[:, None, None, :] >= 0) & (win[:, None, :, None] >= torch.arange(T, device=q.device))
+    visible = (positions[:, None, None, :] >= 0) & (win[:, None, :, None] >= idx)
     attn = logits.masked_fill(~visible, float("-inf")).softmax(-1).sum(2)  # [B, H_q, T]
     attn = F.avg_pool1d(attn, SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)
     score = attn.view(B, H, Hq // H, T).sum(2)  # [B, H_kv, T], per KV head: its query group
     if not per_head:
         score = score.sum(1, keepdim=True).expand(B, H, T)  # one decision for the whole layer
-    idx = torch.arange(T, device=q.device)
     in_window = (idx >= lengths[:, None] - SNAPKV_WINDOW) & (positions >= 0)  # [B, T]
     return torch.where(in_window[:, None], float("inf"), score)
 

@@ -283,12 +283,10 @@ def _chunk_size(B: int, S: int, device: torch.device) -> int:
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
                          window: int, select: bool, value_norm: bool, acc: Optional[Tensor],
                          limit: Optional[Tensor], vnorm: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which
-    # torch.compile functionalises like any mutated input; None simply means nothing is mutated.
-    #
+    # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which torch.compile
+    # functionalises like any mutated input; None simply means nothing is mutated.
     # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
     # selection, one torch op to unpack the slots (under torch.compile it fuses into whatever reads evict).
-    # So 1 (no split) or 2 (split) without selection, 3 with it (2 compiled).
     # Bytes at batch 64 (bf16, H_q 32, H_kv 8, D 128, S 3200, so no split), for checking GPU timings:
     #   attend: K and V 839 MB + pos 6.6 MB + q and out 1 MB, + with selection the logits 26.2 MB written;
     #   finish: the logits 26.2 MB read (+ pos 6.6 MB with sink/window, + acc 6.6 MB read and 6.6 written).

@@ -124,10 +124,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: Layer, rows):
         B, T, _ = x.shape
         c = self.cfg
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(B, T, c.n_heads, c.head_dim)
-        k = k.view(B, T, c.n_kv_heads, c.head_dim)
-        v = v.view(B, T, c.n_kv_heads, c.head_dim)
+        q, k, v = (t.view(B, T, -1, c.head_dim) for t in self.qkv_proj(x).split(self.sizes, dim=-1))  # [B, T, H, D]
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -295,12 +292,6 @@ def empty_model(cfg: Config, device, dtype) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
-def load_model(folder: str, device, dtype) -> Transformer:
-    model = empty_model(Config.from_dict(read_json(folder, "config.json")), device, dtype)
-    load_weights(model, folder, device, dtype)
-    return model
-
-
 class Tokenizer:
     """tokenizer.json through `tokenizers`, the model's own chat template through jinja2, EOS ids and
     sampling defaults from generation_config.json."""
@@ -312,28 +303,22 @@ class Tokenizer:
         self.tok = HFTokenizer.from_file(path)
         tc = read_json(folder, "tokenizer_config.json", required=False)
         gen = read_json(folder, "generation_config.json", required=False)
-        self.template = self._template(folder, tc)
-        self.special = {k: self._token_text(tc.get(k)) for k in ("bos_token", "eos_token")}
+        path = os.path.join(folder, "chat_template.jinja")  # newer checkpoints keep the template here
+        if os.path.exists(path):
+            with open(path) as f:
+                self.template = f.read()
+        else:
+            self.template = tc.get("chat_template")
+            if isinstance(self.template, list):  # [{"name": "default", "template": ...}, ...]
+                self.template = next((x["template"] for x in self.template if x["name"] == "default"), None)
+        # the template's bos_token / eos_token: strings, or {"content": ...} in some tokenizer_config.json files
+        special = {k: tc.get(k) for k in ("bos_token", "eos_token")}
+        self.special = {k: t.get("content") if isinstance(t, dict) else t for k, t in special.items()}
         eos = gen.get("eos_token_id", cfg.eos_token_id)
         self.eos_ids = eos if isinstance(eos, list) else [eos]
         self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
         if not gen.get("do_sample", False):
             self.defaults = {"temperature": 0.0}
-
-    @staticmethod
-    def _token_text(t):
-        return t.get("content") if isinstance(t, dict) else t
-
-    @staticmethod
-    def _template(folder, tc):
-        path = os.path.join(folder, "chat_template.jinja")
-        if os.path.exists(path):
-            with open(path) as f:
-                return f.read()
-        t = tc.get("chat_template")
-        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
-            t = next((x["template"] for x in t if x["name"] == "default"), None)
-        return t
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -358,5 +343,6 @@ class Tokenizer:
 
 def load(name: str, device, dtype) -> tuple[Transformer, Tokenizer]:
     folder = resolve(name)
-    model = load_model(folder, device, dtype)
+    model = empty_model(Config.from_dict(read_json(folder, "config.json")), device, dtype)
+    load_weights(model, folder, device, dtype)
     return model, Tokenizer(folder, model.cfg)
