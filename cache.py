@@ -85,11 +85,13 @@ def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, win
     n_sink = p.n_sink if n_sink is None else n_sink
     if window is None:
         window = int(p.window_share * (budget - n_sink)) if p.window_share and budget else p.window
-    need = max(SNAPKV_WINDOW, n_sink + window) + 1
+    # a compressed prompt keeps the sinks, and the last SNAPKV_WINDOW tokens which cover the recent window
+    # when it is shorter; the new token needs one more slot
+    need = n_sink + max(SNAPKV_WINDOW, window) + 1
     if budget is not None and p.rule != "fill" and budget < need:
-        raise ValueError(f"budget {budget} is too small: the {n_sink} sink + {window} recent protected "
-                         f"tokens, the {SNAPKV_WINDOW}-token prompt window and the new token need at "
-                         f"least {need} slots")
+        raise ValueError(f"budget {budget} is too small: {n_sink} sinks, the last {max(SNAPKV_WINDOW, window)} "
+                         f"tokens (the {SNAPKV_WINDOW}-token prompt window or the {window}-token recent window) "
+                         f"and the new token need at least {need} slots")
     return replace(p, n_sink=n_sink, window=window)
 
 

@@ -79,8 +79,8 @@ def test_each_slots_kept_value_norm_is_that_of_the_value_it_holds(qwen3, policy)
     """The kernel scores with the ||v||_1 the cache stored when each token was written (prefill, prompt
     compression, decode): after evictions it must still match the V in every slot, and empty slots hold 0."""
     model, _ = qwen3
-    cache = KVCache(model.cfg, 2, 40, "cpu", torch.float32, policy)
-    for c in run_steps(model, cache, [list(range(3, 60)), [5, 6, 7]], 25):
+    cache = KVCache(model.cfg, 2, 53, "cpu", torch.float32, policy)  # vatp needs 53 slots
+    for c in run_steps(model, cache, [list(range(3, 70)), [5, 6, 7]], 25):
         for layer in c.layers:
             assert torch.equal(layer.vnorm, layer.v.abs().sum(-1))
     pos = torch.stack([layer.pos for layer in cache.layers])  # [L, B, H_kv, S]
@@ -120,6 +120,23 @@ def test_snapkv_compression_keeps_the_policys_sinks_and_recent_window(qwen3):
     assert set(range(20)) | set(range(150 - policy.window, 150)) <= kept and len(kept - {-1}) == 63
 
 
+@pytest.mark.parametrize("name, n_sink, budget", [("vatp", None, 53), ("longflow", 30, 63), ("h2o", None, 33)])
+def test_the_smallest_budget_accepted_still_keeps_every_protected_prompt_token(qwen3, name, n_sink, budget):
+    """Sinks, the recent window and SnapKV's last 32 prompt tokens all fit in the smallest budget that
+    resolve_policy accepts (one less is refused), so compression never has to drop a protected token."""
+    model, _ = qwen3
+    with pytest.raises(ValueError, match="too small"):
+        resolve_policy(name, budget - 1, n_sink)
+    policy = resolve_policy(name, budget, n_sink)
+    cache = KVCache(model.cfg, 1, budget, "cpu", torch.float32, policy)
+    model(torch.randint(0, 300, (1, 150)), torch.arange(150)[None], cache, rows=torch.tensor([0]),
+          last=torch.tensor([149]))
+    last = max(SNAPKV_WINDOW, policy.window)
+    for pos in (layer.pos for layer in cache.layers):
+        for h in range(pos.shape[1]):
+            assert set(range(policy.n_sink)) | set(range(150 - last, 150)) <= set(pos[0, h].tolist())
+
+
 def test_snapkv_keeps_the_centre_of_what_the_window_attends_to():
     """Every window query attends strongly to tokens 10..14. Pooling over 5 neighbours ranks the centre
     12 first (5 of 5 strong neighbours), then 11 and 13 (4 of 5): those three stay, with the window."""
@@ -140,7 +157,7 @@ def test_budget_validation_names_the_problem():
     with pytest.raises(ValueError, match="too small"):
         resolve_policy("longflow", 32)
     with pytest.raises(ValueError, match="too small"):
-        resolve_policy("longflow", 40, n_sink=20, window=20)
+        resolve_policy("longflow", 52, n_sink=20, window=20)  # 20 sinks + the last 32 + the new token: 53
     with pytest.raises(ValueError, match="positive integer"):
         resolve_policy("longflow", 3.5)
     with pytest.raises(ValueError, match="unknown policy"):
@@ -247,9 +264,9 @@ def test_random_is_a_seeded_hash_of_the_position():
 def test_every_policy_keeps_the_budget_and_repeats_itself(qwen3, policy):
     model, tok = qwen3
     engine = Engine(model, compile=False)
-    runs = [engine.generate(prompts_of(tok), 50, [], budget=40, policy=policy)[0] for _ in range(2)]
+    runs = [engine.generate(prompts_of(tok), 50, [], budget=53, policy=policy)[0] for _ in range(2)]  # vatp: >= 53
     assert runs[0] == runs[1]
-    assert all(((p >= 0).sum(-1) == 40).all() for p in (layer.pos for layer in engine.cache.layers))
+    assert all(((p >= 0).sum(-1) == 53).all() for p in (layer.pos for layer in engine.cache.layers))
 
 
 @pytest.mark.parametrize("rule", ["snapkv", "streaming", "decode"])
@@ -284,11 +301,11 @@ def test_prompt_compression_by_a_rule_keeps_what_decoding_with_it_would_keep(qwe
     from cache import random_score
     model, _ = qwen3
     prompt = torch.randint(0, 300, (1, 90))
-    for policy, rule, n_sink in (("random", "decode", 0), ("longflow", "streaming", 8)):
+    for policy, rule, n_sink in (("random", "decode", 0), ("longflow", "streaming", 7)):
         cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, n_sink=n_sink), rule)
         model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
         kept = set(cache.layers[0].pos[0, 0, :39].tolist())
         if policy == "random":
             assert kept == set(random_score(torch.arange(90), 0).topk(39).indices.tolist())
         else:
-            assert kept == set(range(8)) | set(range(90 - 31, 90))
+            assert kept == set(range(7)) | set(range(90 - 32, 90))
