@@ -117,9 +117,12 @@ class Stepper:
 
     def __init__(self, model, cache, state, sampling, compile=True):
         self.model, self.cache, self.state, self.sampling = model, cache, state, sampling
-        # every batch shape, policy and sampling setting compiles its own code; dynamo keeps 8 versions of
-        # a function by default and, with fullgraph, fails on the ninth
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # every batch shape, policy and sampling setting compiles its own code (a full cache's shape is the
+        # longest prompt + max_new_tokens); dynamo keeps 8 versions of a function by default and, with
+        # fullgraph, fails on the ninth. Replays never check the versions, so a long-lived Engine keeps many.
+        cfg = torch._dynamo.config
+        cfg.cache_size_limit = max(cfg.cache_size_limit, 1024)
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4096)
         tune = state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH
         options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
         compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if compile else fn
