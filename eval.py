@@ -28,7 +28,8 @@ DATASETS = {name: DATA_DIR / f"{name}.jsonl"
 
 
 def load_dataset(name_or_path: str | Path) -> list[dict]:
-    """The rows of a shipped dataset (a key of DATASETS) or of any JSONL file with those two fields."""
+    """The rows of a shipped dataset (a key of DATASETS) or of any JSONL file with those two fields (and an
+    optional "index"; the row number when absent)."""
     path = DATASETS.get(str(name_or_path), Path(name_or_path))
     if not path.is_file():
         raise ValueError(f"unknown dataset {str(name_or_path)!r}: not one of {sorted(DATASETS)} "
@@ -41,7 +42,7 @@ def load_dataset(name_or_path: str | Path) -> list[dict]:
         missing = [key for key in ("question", "true_answer") if key not in row]
         if missing:
             raise ValueError(f"{path}:{number}: row lacks {', '.join(missing)}")
-        rows.append(row)
+        rows.append({"index": len(rows), **row})
     return rows
 
 
@@ -254,21 +255,24 @@ def run_file(out_dir: Path, data: str, policy: str, budget: int | None) -> Path:
     return out_dir / f"{Path(data).stem}_{policy}_{budget or 'all'}.jsonl"
 
 
-def done_keys(path: Path) -> set[tuple[int, int]]:
-    """(item, sample) pairs an earlier, possibly interrupted run already wrote."""
-    if not path.exists():
-        return set()
-    return {(r["index"], r["sample"]) for r in map(json.loads, path.read_text().splitlines())}
+def read_rows(path: Path) -> list[dict]:
+    """The rows an earlier, possibly interrupted run wrote; a last line cut off mid-write (every complete
+    row ends with a newline) is removed from the file, so that generation is simply redone."""
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+        path.write_text("".join(lines))
+    return [json.loads(line) for line in lines]
 
 
 def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: int, sampling: dict,
              seed: int, chunk: int, progress=print) -> dict:
     """Generate for every (item, sample) not yet in `path`, appending a line as each chunk finishes;
     return the summary over the whole file."""
-    done = done_keys(path)
+    done = {(r["index"], r["sample"]) for r in read_rows(path)}
     todo = [(it, s) for s in range(samples) for it in items if (it["index"], s) not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
-    generate_s, new_tokens = 0.0, 0
+    generate_s, new_tokens, kv_bytes = 0.0, 0, None  # of the generations made now, not of earlier runs
     for start in range(0, len(todo), chunk):
         part = todo[start:start + chunk]
         convs = [build_messages(it["question"]) for it, _ in part]
@@ -277,6 +281,7 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
         outs = llm.chat(convs, max_new_tokens=max_new_tokens, seed=seeds, **sampling)
         generate_s += llm.stats.decode_s + llm.stats.prefill_s
         new_tokens += llm.stats.generated_tokens
+        kv_bytes = llm.stats.kv_bytes
         with path.open("a") as f:
             for (it, s), conv, out in zip(part, convs, outs):
                 prompt_len = len(llm.tokenizer.chat(conv))
@@ -287,13 +292,13 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
                     "budget_full": llm.budget is not None and prompt_len + len(out.token_ids) > llm.budget,
                 }) + "\n")
         progress(f"{path.name}: {min(start + chunk, len(todo))}/{len(todo)} generations")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     return {"file": str(path), "items": len({r["index"] for r in rows}), "samples": samples,
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
             "budget_full_fraction": sum(r["budget_full"] for r in rows) / len(rows),
             "tokens_per_s": new_tokens / generate_s if generate_s else None,
-            "kv_bytes": llm.stats.kv_bytes if llm.stats else None}
+            "kv_bytes": kv_bytes}
 
 
 def check_settings(path: Path, settings: dict):

@@ -31,11 +31,29 @@ def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_pat
     summary = json.loads((out / "mini_longflow_40.summary.json").read_text())
     assert summary["items"] == 3 and summary["accuracy"] == 0.0  # random weights write no boxed answers
 
-    # an interrupted run: the last line is lost; resuming redoes only that generation, identically
-    (out / "mini_longflow_40.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    # an interrupted run: the last line was cut off mid-write; resuming redoes only that generation, identically
+    (out / "mini_longflow_40.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
     run_eval(checkpoints, data, out)
     again = (out / "mini_longflow_40.jsonl").read_text().splitlines()
     assert len(again) == len(lines) and json.loads(again[-1]) == rows[-1]
+
+
+def test_a_run_resumed_with_nothing_left_reports_no_kv_bytes_of_another_run(checkpoints, tmp_path):
+    """The summary's KV bytes belong to the generations of that run: a complete run that is resumed
+    after another policy generated reports none (it once reported the other policy's cache)."""
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    common = ["--model", str(checkpoints["qwen3"]), "--data", str(data), "--max-new-tokens", "12", "--out",
+              str(out), "--device", "cpu", "--no-compile"]
+    ev.main([*common, "--runs", "longflow:40"])
+    assert json.loads((out / "mini_longflow_40.summary.json").read_text())["kv_bytes"] > 0
+    ev.main([*common, "--runs", "full", "longflow:40"])
+    assert json.loads((out / "mini_longflow_40.summary.json").read_text())["kv_bytes"] is None
+
+
+def test_a_dataset_row_without_an_index_gets_its_row_number(tmp_path):
+    path = tmp_path / "plain.jsonl"
+    path.write_text('{"question": "a?", "true_answer": "1"}\n\n{"question": "b?", "true_answer": "2"}\n')
+    assert [r["index"] for r in ev.load_dataset(path)] == [0, 1]
 
 
 def test_retrieval_items_hide_one_needle_at_the_asked_length():
