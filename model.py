@@ -10,7 +10,7 @@ import jinja2.sandbox
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from cache import KVCache, Layer
@@ -55,6 +55,10 @@ class Config:
             raise ValueError(f"unsupported rope scaling {rope_type!r}; tinyflow supports none and 'llama3'")
         if rope_type == "llama3" and not set(LLAMA3_KEYS) <= set(rope):
             raise ValueError(f"llama3 rope scaling in config.json lacks {sorted(set(LLAMA3_KEYS) - set(rope))}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in c]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
         heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")
         return cls(
@@ -218,8 +222,8 @@ def resolve(name: str) -> str:
     try:
         return snapshot_download(name, allow_patterns=HUB_FILES)
     except LocalEntryNotFoundError:
-        raise FileNotFoundError(f"{name} is not in the local Hugging Face cache and downloading is off "
-                                f"(HF_HUB_OFFLINE); download it first with `hf download {name}`") from None
+        raise FileNotFoundError(f"{name} is not in the local Hugging Face cache and could not be downloaded "
+                                f"(no network, or HF_HUB_OFFLINE set); fetch it with `hf download {name}`") from None
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"{name} is neither a local folder nor a model on the Hugging Face Hub") from None
 
@@ -231,7 +235,10 @@ def read_json(folder: str, name: str, required=True) -> dict:
             raise FileNotFoundError(f"{path} is missing; is {folder} a Hugging Face model folder?")
         return {}
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 # Projections that read the same input are one matrix in the model, so a decode step runs one GEMM (a GEMV
@@ -264,20 +271,23 @@ def load_weights(model: Transformer, folder: str, device, dtype):
         path = os.path.join(folder, file)
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights file {path} is missing")
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name == "lm_head.weight" and model.cfg.tie_embeddings:
-                    continue  # a stored copy of the tied embedding: the embedding is used, as in transformers
-                if name not in params or name in filled:
-                    raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
-                                     f"parameter (or it appeared twice)")
-                t = f.get_tensor(name)
-                if t.shape != params[name].shape:
-                    raise ValueError(f"weight {name!r} has shape {list(t.shape)}, the config implies "
-                                     f"{list(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(t.to(dtype))
-                filled.add(name)
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if name == "lm_head.weight" and model.cfg.tie_embeddings:
+                        continue  # a stored copy of the tied embedding: the embedding is used, as in transformers
+                    if name not in params or name in filled:
+                        raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
+                                         f"parameter (or it appeared twice)")
+                    t = f.get_tensor(name)
+                    if t.shape != params[name].shape:
+                        raise ValueError(f"weight {name!r} has shape {list(t.shape)}, the config implies "
+                                         f"{list(params[name].shape)}")
+                    with torch.no_grad():
+                        params[name].copy_(t.to(dtype))
+                    filled.add(name)
+        except SafetensorError as e:  # a truncated or corrupt file
+            raise ValueError(f"cannot read weights file {path}: {e}") from None
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
@@ -300,7 +310,10 @@ class Tokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing; tinyflow needs a fast tokenizer (tokenizer.json)")
-        self.tok = HFTokenizer.from_file(path)
+        try:
+            self.tok = HFTokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"cannot read {path}: {e}") from None
         tc = read_json(folder, "tokenizer_config.json", required=False)
         gen = read_json(folder, "generation_config.json", required=False)
         path = os.path.join(folder, "chat_template.jinja")  # newer checkpoints keep the template here
