@@ -10,6 +10,7 @@ stream text.
 """
 import argparse
 import math
+import os
 import random
 import sys
 import time
@@ -56,9 +57,13 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0 and self.top_k >= 0
-                and 0 < self.top_p <= 1):
-            raise ValueError("sampling needs a finite temperature >= 0, top-k >= 0 and 0 < top-p <= 1")
+        number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        # below 1e-6, logits / temperature can overflow to inf and the softmax to NaN
+        if not (number(self.temperature) and (self.temperature == 0 or self.temperature >= 1e-6)
+                and number(self.top_p) and 0 < self.top_p <= 1
+                and isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 and "
+                             f"0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
 
     @classmethod
     def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None) -> "Sampling":
@@ -224,7 +229,7 @@ class Engine:
         on_tokens(new_ids) streams the first prompt's output. prompt_rule: how prompts longer than
         the budget are compressed (cache.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
-        if batch_size is not None and (type(batch_size) is not int or batch_size < 1):  # (bool is not int)
+        if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if isinstance(policy, str):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
@@ -235,11 +240,11 @@ class Engine:
         t0 = sync_time(self.device)
         self._prepare(batch, budget, policy, prompt_rule, sampling)
         t1 = sync_time(self.device)
-        if not isinstance(seed, list):  # one seed per prompt: its samples do not depend on its row
+        if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
             seed = random.randrange(2**31) if seed is None else seed
-            seed = [seed + i for i in range(len(prompts))]
-        if len(seed) != len(prompts):
-            raise ValueError(f"got {len(seed)} seeds for {len(prompts)} prompts; give one int or one per prompt")
+            seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
+        if len(seed) != len(prompts) or not all(map(is_int, seed)):
+            raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
         outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
@@ -260,7 +265,12 @@ class Engine:
     def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int) -> int:
         """Check an asked batch size against free GPU memory (before allocating), or pick one."""
         batch = min(asked or n_prompts, n_prompts)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # only a check that the cache can exist in this machine's memory
+            need = KVCache.bytes_needed(self.model.cfg, batch, slots, self.dtype)
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if need > ram:
+                raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.1f} GiB, more than "
+                                 f"this machine's {ram / 2**30:.1f} GiB; lower --max-new-tokens or --budget")
             return batch
         free = self.free_bytes()
         fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype)
@@ -348,13 +358,17 @@ class Engine:
         return firsts
 
 
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_request(prompts, max_new_tokens, vocab_size: int):
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: give at least one token of prompt text")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if max(map(max, prompts)) >= vocab_size or min(map(min, prompts)) < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab_size}) for this model")
+    if not all(is_int(t) and 0 <= t < vocab_size for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}) for this model")
 
 
 def sync_time(device) -> float:
@@ -374,8 +388,12 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
         device = torch.device(device)
     except RuntimeError:
         raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise ValueError(f"unsupported device {str(device)!r}; use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("CUDA was asked for but is not available on this machine; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):

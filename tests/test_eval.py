@@ -50,12 +50,6 @@ def test_a_run_resumed_with_nothing_left_reports_no_kv_bytes_of_another_run(chec
     assert json.loads((out / "mini_longflow_40.summary.json").read_text())["kv_bytes"] is None
 
 
-def test_a_dataset_row_without_an_index_gets_its_row_number(tmp_path):
-    path = tmp_path / "plain.jsonl"
-    path.write_text('{"question": "a?", "true_answer": "1"}\n\n{"question": "b?", "true_answer": "2"}\n')
-    assert [r["index"] for r in ev.load_dataset(path)] == [0, 1]
-
-
 def test_retrieval_items_hide_one_needle_at_the_asked_length():
     items = ev.retrieval_items(3, words=500, seed=1)
     assert items == ev.retrieval_items(3, words=500, seed=1)

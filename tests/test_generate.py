@@ -97,6 +97,12 @@ def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
         llm.generate([""])
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 99999]])
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.generate([[1.9, 2.7]])  # never truncated to [1, 2]
+    for sampling in (dict(temperature=None), dict(temperature=1e-45), dict(temperature=1.0, top_k=2.5),
+                     dict(top_p="0.9")):
+        with pytest.raises(ValueError, match="sampling needs"):
+            llm.generate(["Hi"], **sampling)
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="batch_size must be a positive integer"):
             llm.generate(["Hi"], batch_size=bad)
@@ -183,6 +189,15 @@ def set_yarn(c):
     c["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
 
 
+@pytest.mark.parametrize("file, damage", [("tokenizer.json", "{not json"), ("model.safetensors", "\x00" * 5),
+                                          ("config.json", "{")])
+def test_unreadable_checkpoint_file_is_one_clear_line(checkpoints, tmp_path, capsys, file, damage):
+    folder = broken_checkpoint(checkpoints, tmp_path)
+    (folder / file).write_text(damage)
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")
+    assert code == 2 and err.startswith("error:") and file in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("config, weights, message", [
     (set_moe, None, "unsupported model 'Qwen3MoeForCausalLM'"),
     (set_yarn, None, "unsupported rope scaling 'yarn'"),
@@ -193,6 +208,7 @@ def set_yarn(c):
     (None, lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"), "missing 1 weight.*layers.1.self_attn.k_proj"),
     (None, lambda w: w.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 63)}),
      "'model.layers.0.mlp.up_proj.weight' has shape \\[128, 63\\]"),
+    (lambda c: c.pop("hidden_size"), None, "config.json lacks hidden_size"),
 ])
 def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config, weights, message):
     folder = broken_checkpoint(checkpoints, tmp_path, config, weights)
@@ -211,8 +227,11 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config,
     (["--prompt", "   "], "prompt is empty"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file"),
     (["--top-p", "0"], "top-p"),
-    (["--temperature", "nan"], "finite temperature"),
+    (["--temperature", "nan"], "temperature 0 (greedy) or >= 1e-6"),
+    (["--temperature", "1e-45"], "temperature 0 (greedy) or >= 1e-6"),
     (["--device", "tpu9"], "unknown device"),
+    (["--device", "mps"], "unsupported device 'mps'"),
+    (["--device", "cpu:3"], "unsupported device 'cpu:3'"),
     (["--batch-size", "max", "--device", "cpu"], "give a number on the CPU"),
     (["--batch-size", "many"], "positive integer"),
 ])
@@ -267,5 +286,10 @@ def test_tied_checkpoint_with_a_stored_lm_head_and_incomplete_llama3_config(chec
 
 def test_one_seed_per_prompt_is_checked(checkpoints):
     model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
-        Engine(model, compile=False).generate([[1], [2], [3]], 4, [], seed=[1, 2])
+    engine = Engine(model, compile=False)
+    for bad in ([1, 2], (1, 2, 3.5), "7"):
+        with pytest.raises(ValueError, match="seed must be one int or one int per prompt"):
+            engine.generate([[1], [2], [3]], 4, [], seed=bad)
+    hot = generate.Sampling(temperature=1.0)  # sampled, so the seeds matter
+    as_tuple, as_int = (engine.generate([[1], [2], [3]], 8, [], sampling=hot, seed=s)[0] for s in ((5, 6, 7), 5))
+    assert as_tuple == as_int != engine.generate([[1], [2], [3]], 8, [], sampling=hot, seed=6)[0]

@@ -33,10 +33,12 @@ def test_every_shipped_dataset_loads_with_question_and_answer():
                      "minerva": 272, "olympiad": 675}
 
 
-def test_load_dataset_accepts_a_jsonl_path(tmp_path):
+def test_load_dataset_accepts_a_jsonl_path_and_numbers_rows_without_an_index(tmp_path):
     path = tmp_path / "mine.jsonl"
-    path.write_text(json.dumps({"question": "1+1?", "true_answer": "2"}) + "\n\n")
-    assert ev.load_dataset(str(path)) == [{"question": "1+1?", "true_answer": "2"}]
+    path.write_text(json.dumps({"question": "1+1?", "true_answer": "2"}) + "\n\n"
+                    + json.dumps({"question": "2+2?", "true_answer": "4", "index": 7}) + "\n")
+    assert ev.load_dataset(str(path)) == [{"index": 0, "question": "1+1?", "true_answer": "2"},
+                                          {"index": 7, "question": "2+2?", "true_answer": "4"}]
 
 
 def test_load_dataset_names_an_unknown_dataset():
