@@ -4,6 +4,7 @@ Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's ten
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import jinja2.sandbox
@@ -348,6 +349,9 @@ class Tokenizer:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = fail
+        # as transformers provides them: JSON without HTML escaping (tool schemas), and today's date (Llama 3.2)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         text = env.from_string(self.template).render(
             messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **self.special)
         # the template already wrote BOS and friends as text, so no special tokens are added here

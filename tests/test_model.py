@@ -101,3 +101,12 @@ def test_chat_template_renders_with_thinking_switch(checkpoints):
     assert tok.tok.decode(tok.chat(msgs, enable_thinking=False), skip_special_tokens=False).endswith(
         "assistant\n<think>\n\n</think>\n\n")
     assert tok.eos_ids == [tok.tok.token_to_id("<|im_end|>")]
+
+
+def test_chat_template_has_the_helpers_transformers_gives_templates(checkpoints):
+    """tojson without HTML escaping (tool schemas) and strftime_now (Llama 3.2's date line)."""
+    import time
+    _, tok = ours(checkpoints["qwen3"])
+    tok.template = "{{ messages[0] | tojson }} {{ strftime_now('%Y') }}"
+    text = tok.tok.decode(tok.chat([{"role": "user", "content": "<é>"}]), skip_special_tokens=False)
+    assert text == '{"role": "user", "content": "<é>"} ' + time.strftime("%Y")
