@@ -316,6 +316,8 @@ def parse_run(text: str) -> tuple[str, int | None]:
     policy, _, budget = text.partition(":")
     if budget and not budget.isdigit():
         raise ValueError(f"bad run {text!r}: write POLICY or POLICY:BUDGET, e.g. longflow:3200")
+    if policy == "full" and budget:
+        raise ValueError(f"bad run {text!r}: the full cache keeps every token and takes no budget; write full")
     return policy, int(budget) if budget else None
 
 

@@ -61,8 +61,9 @@ def test_retrieval_items_hide_one_needle_at_the_asked_length():
 
 def test_bad_run_spec_is_a_clear_error(checkpoints, tmp_path, capsys):
     import pytest
-    with pytest.raises(SystemExit, match="bad run 'longflow:x'"):
-        ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(write_data(tmp_path)), "--runs", "longflow:x"])
+    for run in ("longflow:x", "full:64"):
+        with pytest.raises(SystemExit, match=f"bad run '{run}'"):
+            ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(write_data(tmp_path)), "--runs", run])
 
 
 def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path):
