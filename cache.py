@@ -69,6 +69,11 @@ def check_prompt_rule(rule: str):
         raise ValueError(f"unknown prompt compression {rule!r}; choose one of {', '.join(PROMPT_RULES)}")
 
 
+def is_int(x) -> bool:
+    """An int, and not a bool (which Python counts as one)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, window: int | None = None,
                    prompt_rule: str = "snapkv") -> Policy:
     """The named policy with its protections in slots (its defaults, or the caller's), checked against
@@ -76,10 +81,10 @@ def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, win
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     check_prompt_rule(prompt_rule)
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+    if budget is not None and (not is_int(budget) or budget <= 0):
         raise ValueError(f"budget must be a positive integer number of KV slots, got {budget!r}")
     for what, value in (("sinks", n_sink), ("window", window)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and (not is_int(value) or value < 0):
             raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
     p = POLICIES[name]
     n_sink = p.n_sink if n_sink is None else n_sink

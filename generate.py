@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import POLICIES, KVCache, Policy, hash32, resolve_policy
+from cache import POLICIES, KVCache, Policy, hash32, is_int, resolve_policy
 from model import MLP_TOKENS, Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
@@ -61,7 +61,7 @@ class Sampling:
         # below 1e-6, logits / temperature can overflow to inf and the softmax to NaN
         if not (number(self.temperature) and (self.temperature == 0 or self.temperature >= 1e-6)
                 and number(self.top_p) and 0 < self.top_p <= 1
-                and isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+                and is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 and "
                              f"0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
 
@@ -356,10 +356,6 @@ class Engine:
             self.state.tokens[r], self.state.positions[r], self.state.seeds[r] = first, lengths, seeds
             firsts += first.tolist()
         return firsts
-
-
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_request(prompts, max_new_tokens, vocab_size: int):
