@@ -99,13 +99,52 @@ def run_block(block, *args):
     return block(*args)
 
 
-def advance(logits, state: State, s: Sampling):
-    """Sample the next token from logits [B, V] and move the state one step on, in place."""
-    nxt = sample(logits, state.seeds, state.positions + 1, s.temperature, s.top_k, s.top_p)  # [B]
+def push(state: State, nxt):
+    """Make nxt [B] the current tokens and move the state one step on, in place."""
     state.history.index_copy_(1, state.count % RING, nxt[:, None])
     state.tokens.copy_(nxt)
     state.positions.add_(1)
     state.count.add_(1)
+
+
+def advance(logits, state: State, s: Sampling):
+    """Sample the next token from logits [B, V] and move the state on."""
+    push(state, sample(logits, state.seeds, state.positions + 1, s.temperature, s.top_k, s.top_p))
+
+
+@dataclass
+class Forcing:
+    """Teacher forcing (LLM.score): instead of a sample, each row is fed the next token of a given
+    continuation, and the step records how likely the model found it. Static buffers, like State."""
+    tokens: torch.Tensor  # [B, L] the continuation each row scores (padded with 0)
+    start: torch.Tensor  # [B] the position of its first token (the prompt's length)
+    logprobs: torch.Tensor  # [B, RING] fp32 log p of the continuation's token, per step
+    argmax: torch.Tensor  # [B, RING] the most likely token, per step
+    dists: torch.Tensor  # [B, RING, V] fp32 log-softmax of every step when kept, else a [1, 1, 1] stand-in
+
+    @classmethod
+    def empty(cls, batch: int, length: int, vocab: int, keep_dists: bool, device):
+        z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=device)
+        dists = z(batch, RING, vocab, dtype=torch.float32) if keep_dists else z(1, 1, 1, dtype=torch.float32)
+        return cls(z(batch, length), z(batch), z(batch, RING, dtype=torch.float32), z(batch, RING), dists)
+
+    def read(self, cols, tokens: list[list[int]]) -> list[list[tuple]]:
+        """(token, logprob, argmax) of the steps in ring columns cols, per row (one host sync)."""
+        return [list(zip(*row)) for row in zip(tokens, self.logprobs[:, cols].tolist(), self.argmax[:, cols].tolist())]
+
+
+def advance_forced(logits, state: State, f: Forcing):
+    """Record log p and the argmax of the continuation's next token under logits [B, V], then feed that
+    token. The token's index in the continuation follows from the row's position: no host copy per step."""
+    logp = logits.log_softmax(-1)  # [B, V]
+    index = (state.positions + 1 - f.start).clamp(0, f.tokens.shape[1] - 1)  # [B] the token being predicted
+    nxt = f.tokens.gather(1, index[:, None])  # [B, 1]
+    col = state.count % RING
+    f.logprobs.index_copy_(1, col, logp.gather(1, nxt))
+    f.argmax.index_copy_(1, col, logits.argmax(-1, keepdim=True))
+    if f.dists.shape[-1] == logp.shape[-1]:  # kept (a shape, so decided when compiling)
+        f.dists.index_copy_(1, col, logp[:, None])
+    push(state, nxt[:, 0])
 
 
 # Up to this batch the compiler also autotunes the layer's kernels (its matrix-vector products above all).
@@ -120,8 +159,9 @@ class Stepper:
     empty cache, which is then emptied again (the warm-up steps wrote junk tokens that are simply marked
     as empty slots)."""
 
-    def __init__(self, model, cache, state, sampling, compile=True):
-        self.model, self.cache, self.state, self.sampling = model, cache, state, sampling
+    def __init__(self, model, cache, state, rule, compile=True):
+        """rule: a Sampling (generate) or a Forcing (score): what picks the next token."""
+        self.model, self.cache, self.state, self.rule = model, cache, state, rule
         # every batch shape, policy and sampling setting compiles its own code (a full cache's shape is the
         # longest prompt + max_new_tokens); dynamo keeps 8 versions of a function by default and, with
         # fullgraph, fails on the ninth. Replays never check the versions, so a long-lived Engine keeps many.
@@ -131,7 +171,8 @@ class Stepper:
         tune = state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH
         options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
         compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if compile else fn
-        self.run_block, self.advance = compiled(run_block), compiled(advance)
+        self.run_block = compiled(run_block)
+        self.advance = compiled(advance_forced if isinstance(rule, Forcing) else advance)
         self.graph = None
         if state.tokens.is_cuda:
             stream = torch.cuda.Stream()  # warm up (compile, autotune, allocate) off the capture stream
@@ -150,7 +191,7 @@ class Stepper:
     def step(self):
         st = self.state
         logits = self.model(st.tokens[:, None], st.positions[:, None], self.cache, run_block=self.run_block)
-        self.advance(logits[:, 0], st, self.sampling)  # logits: [B, 1, V]
+        self.advance(logits[:, 0], st, self.rule)  # logits: [B, 1, V]
 
     def __call__(self):
         if self.graph is not None:
@@ -164,10 +205,10 @@ PREFILL_TOKENS = 16384  # prompts are prefilled in groups of about this many (pa
 SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fragmentation
 
 
-def bytes_per_row(cfg, slots: int, dtype) -> int:
-    """GPU memory one more sequence costs: its KV slots and its share of the decode step's logits,
-    probabilities, noise and sort buffers (fp32/int64 over the vocabulary)."""
-    return KVCache.bytes_needed(cfg, 1, slots, dtype) + 24 * cfg.vocab_size
+def bytes_per_row(cfg, slots: int, dtype, extra: int = 0) -> int:
+    """GPU memory one more sequence costs: its KV slots, its share of the decode step's logits,
+    probabilities, noise and sort buffers (fp32/int64 over the vocabulary), and `extra` bytes."""
+    return KVCache.bytes_needed(cfg, 1, slots, dtype) + 24 * cfg.vocab_size + extra
 
 
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
@@ -178,10 +219,10 @@ def prefill_bytes(cfg, tokens: int, dtype) -> int:
     return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads) + mlp
 
 
-def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype) -> int:
+def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extra: int = 0) -> int:
     """The most sequences whose cache and decode buffers fit in `free` bytes, after prefill's needs."""
     fixed = prefill_bytes(cfg, max(PREFILL_TOKENS, longest_prompt), dtype) + SPARE
-    return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype))
+    return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype, extra))
 
 
 # ---- the generation loop ------------------------------------------------------------------------------
@@ -215,7 +256,7 @@ class Engine:
     def __init__(self, model: Transformer, compile=True, sync_every=16):
         assert 0 < sync_every < RING
         self.model, self.compile, self.sync_every = model, compile, sync_every
-        self.key = self.stepper = self.cache = self.state = None  # of the last batch shape
+        self.key = self.stepper = self.cache = self.state = self.rule = None  # of the last batch shape
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
 
@@ -229,23 +270,49 @@ class Engine:
         on_tokens(new_ids) streams the first prompt's output. prompt_rule: how prompts longer than
         the budget are compressed (cache.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
+        if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
+            seed = random.randrange(2**31) if seed is None else seed
+            seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
+        if len(seed) != len(prompts) or not all(map(is_int, seed)):
+            raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
+        return self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy, prompt_rule,
+                           sampling, batch_size, seed=seed, on_tokens=on_tokens)
+
+    def score(self, prompts: list[list[int]], continuations: list[list[int]], budget: int | None = None,
+              policy: str | Policy = "longflow", batch_size: int | None = None, prompt_rule: str = "snapkv",
+              on_dists=None) -> tuple[list[list[tuple[int, float, int]]], Stats]:
+        """Teacher forcing: prefill each prompt (compressed as generate would), then feed its continuation
+        one token at a time through the same decode step, evicting as generation would. Returns, per
+        pair, (token, log p(token | everything before it), the argmax there) for every continuation token.
+        on_dists(pair, index, logp [n, V]) receives the full log-distributions of continuation tokens
+        index .. index + n - 1 as they are computed (it costs a [B, RING, V] buffer)."""
+        check_request(prompts, 1, self.model.cfg.vocab_size)
+        if not isinstance(continuations, (list, tuple)) or len(continuations) != len(prompts):
+            raise ValueError(f"give one continuation per prompt: {len(prompts)} prompts, "
+                             f"{len(continuations) if isinstance(continuations, (list, tuple)) else 'no list of'} "
+                             f"continuations")
+        check_request(continuations, 1, self.model.cfg.vocab_size, "continuation")
+        forcing = (max(map(len, continuations)), on_dists is not None)
+        return self._serve(prompts, [len(c) for c in continuations], set(), budget, policy, prompt_rule,
+                           forcing, batch_size, continuations=continuations, on_dists=on_dists)
+
+    def _serve(self, prompts, limits: list[int], eos: set, budget, policy, prompt_rule, rule, batch_size,
+               seed=None, on_tokens=None, continuations=None, on_dists=None):
+        """The common part of generate and score. rule: a Sampling, or (longest continuation, keep_dists)
+        for teacher forcing. limits: the tokens each prompt produces at most."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if isinstance(policy, str):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
         longest = max(map(len, prompts))
         if budget is None or policy.rule == "fill":  # no compression: room for every token
-            policy, budget = POLICIES["full"], longest + max_new_tokens
-        batch = self._batch_size(batch_size, len(prompts), budget, longest)
+            policy, budget = POLICIES["full"], longest + max(limits)
+        dists = 4 * RING * self.model.cfg.vocab_size if on_dists else 0  # bytes per row of Forcing.dists
+        batch = self._batch_size(batch_size, len(prompts), budget, longest, dists)
         t0 = sync_time(self.device)
-        self._prepare(batch, budget, policy, prompt_rule, sampling)
+        self._prepare(batch, budget, policy, prompt_rule, rule)
         t1 = sync_time(self.device)
-        if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
-            seed = random.randrange(2**31) if seed is None else seed
-            seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
-        if len(seed) != len(prompts) or not all(map(is_int, seed)):
-            raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
-        outs, prefill_s = self._run(prompts, max_new_tokens, set(eos_ids), seed, sampling, on_tokens)
+        outs, prefill_s = self._run(prompts, limits, eos, seed, on_tokens, continuations, on_dists)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
         every_token = sum(len(p) + len(o) for p, o in zip(prompts, outs))
@@ -262,8 +329,9 @@ class Engine:
                                          self.cache.policy)
         return free
 
-    def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int) -> int:
-        """Check an asked batch size against free GPU memory (before allocating), or pick one."""
+    def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int, extra: int = 0) -> int:
+        """Check an asked batch size against free GPU memory (before allocating), or pick one. extra: bytes
+        per row beyond the cache and the decode step's buffers."""
         batch = min(asked or n_prompts, n_prompts)
         if self.device.type != "cuda":  # only a check that the cache can exist in this machine's memory
             need = KVCache.bytes_needed(self.model.cfg, batch, slots, self.dtype)
@@ -273,46 +341,50 @@ class Engine:
                                  f"this machine's {ram / 2**30:.1f} GiB; lower --max-new-tokens or --budget")
             return batch
         free = self.free_bytes()
-        fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype)
+        fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra)
         if asked is None and fits > 0:
             return min(batch, fits)
         if batch > fits:
-            need = (batch * bytes_per_row(self.model.cfg, slots, self.dtype) + SPARE
+            need = (batch * bytes_per_row(self.model.cfg, slots, self.dtype, extra) + SPARE
                     + prefill_bytes(self.model.cfg, max(PREFILL_TOKENS, longest), self.dtype))
             raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.2f} GiB of GPU "
                              f"memory but {free / 2**30:.2f} GiB is free ({fits} would fit); lower the "
                              f"batch size, --max-new-tokens or --budget")
         return batch
 
-    def _prepare(self, batch, slots, policy, prompt_rule, sampling):
+    def _prepare(self, batch, slots, policy, prompt_rule, rule):
         """Reuse the cache, buffers and captured graph when the shape and settings repeat."""
-        key = (batch, slots, policy, prompt_rule, sampling)
+        key = (batch, slots, policy, prompt_rule, rule)
         if self.key == key:
             self.cache.reset()
             return
-        self.key = self.stepper = self.cache = self.state = None  # free the old cache first
+        self.key = self.stepper = self.cache = self.state = self.rule = None  # free the old cache first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule)
         self.state = State.empty(batch, self.device)
-        self.stepper = Stepper(self.model, self.cache, self.state, sampling, self.compile)
+        self.rule = rule if isinstance(rule, Sampling) else \
+            Forcing.empty(batch, rule[0], self.model.cfg.vocab_size, rule[1], self.device)
+        self.stepper = Stepper(self.model, self.cache, self.state, self.rule, self.compile)
         self.key = key
 
-    def _run(self, prompts, max_new, eos, seed, sampling, on_tokens):
-        """Decode until every prompt is done, refilling rows as they free up. Returns (outputs, prefill s)."""
+    def _run(self, prompts, limits, eos, seed, on_tokens, continuations, on_dists):
+        """Decode until every prompt is done, refilling rows as they free up. Returns (outputs, prefill s):
+        per prompt its tokens, or with teacher forcing its (token, logprob, argmax) records."""
         B = self.state.tokens.shape[0]
         self.state.count.zero_()
         outs = [[] for _ in prompts]
         serving = [None] * B  # the prompt each row decodes for
         waiting = deque(range(len(prompts)))
-        done = lambda p: bool(outs[p]) and (outs[p][-1] in eos or len(outs[p]) == max_new)
+        token = (lambda r: r[0]) if continuations else (lambda r: r)
+        done = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos or len(outs[p]) == limits[p])
         prefill_s, steps_read = 0.0, 0
         while True:
             while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
                 rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
                 taken = [waiting.popleft() for _ in rows]
                 t = sync_time(self.device)
-                for b, p, first in zip(rows, taken, self._admit(rows, prompts, taken, seed, sampling)):
+                for b, p, first in zip(rows, taken, self._admit(rows, prompts, taken, seed, continuations, on_dists)):
                     outs[p].append(first)
                     serving[b] = None if done(p) else p
                 prefill_s += sync_time(self.device) - t
@@ -324,19 +396,27 @@ class Engine:
                 self.stepper()
             # the one host sync every sync_every steps (its index and copy are freed at once, so the memory
             # in use stays the same from the first token to the last: bench.py --validate asserts it)
-            new = self.state.history[:, torch.arange(steps_read, steps_read + self.sync_every,
-                                                     device=self.device) % RING].tolist()
+            cols = torch.arange(steps_read, steps_read + self.sync_every, device=self.device) % RING
+            new = self.state.history[:, cols].tolist()
+            if continuations:
+                new = self.rule.read(cols, new)
             steps_read += self.sync_every
             for b, p in enumerate(serving):
-                for t in new[b] if p is not None else ():
+                if p is None:
+                    continue
+                before = len(outs[p])
+                for r in new[b]:
                     if not done(p):
-                        outs[p].append(t)
-                if p is not None and done(p):
+                        outs[p].append(r)
+                if on_dists:
+                    on_dists(p, before, self.rule.dists[b, cols[:len(outs[p]) - before]])
+                if done(p):
                     serving[b] = None
 
-    def _admit(self, rows: list[int], prompts, taken: list[int], seed: list[int], s: Sampling) -> list[int]:
+    def _admit(self, rows: list[int], prompts, taken: list[int], seed, continuations, on_dists) -> list:
         """Prefill prompts `taken` into cache `rows`, set those rows' decode state, and return each
-        prompt's first generated token. Groups of about PREFILL_TOKENS padded tokens at a time."""
+        prompt's first output: a sampled token, or with teacher forcing the first continuation token's
+        record. Groups of about PREFILL_TOKENS padded tokens at a time."""
         firsts = []
         while rows:
             n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
@@ -349,22 +429,41 @@ class Engine:
                 positions[i, :len(prompts[p])] = torch.arange(len(prompts[p]))
             r = torch.tensor(group, device=self.device)
             lengths = torch.tensor([len(prompts[p]) for p in batch], device=self.device)
-            seeds = torch.tensor([seed[p] for p in batch], device=self.device)
             logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, rows=r,
-                                last=lengths - 1)
-            first = sample(logits, seeds, lengths, s.temperature, s.top_k, s.top_p)
-            self.state.tokens[r], self.state.positions[r], self.state.seeds[r] = first, lengths, seeds
-            firsts += first.tolist()
+                                last=lengths - 1)  # [n, V]
+            if continuations:
+                first, records = self._force_first(r, batch, lengths, logits, continuations, on_dists)
+            else:
+                s, seeds = self.rule, torch.tensor([seed[p] for p in batch], device=self.device)
+                first = sample(logits, seeds, lengths, s.temperature, s.top_k, s.top_p)
+                self.state.seeds[r], records = seeds, first.tolist()
+            self.state.tokens[r], self.state.positions[r] = first, lengths
+            firsts += records
         return firsts
 
+    def _force_first(self, r, batch, lengths, logits, continuations, on_dists) -> list[tuple]:
+        """Teacher forcing: the prompts' last logits score each continuation's first token; the rows get
+        their continuation, which the step then feeds."""
+        f = self.rule
+        f.tokens[r] = 0
+        for i, p in enumerate(batch):
+            f.tokens[r[i], :len(continuations[p])] = torch.tensor(continuations[p], device=self.device)
+        f.start[r] = lengths
+        first = f.tokens[r, 0]
+        logp = logits.log_softmax(-1)  # [n, V]
+        if on_dists:
+            for i, p in enumerate(batch):
+                on_dists(p, 0, logp[i:i + 1])
+        records = zip(first.tolist(), logp.gather(1, first[:, None])[:, 0].tolist(), logits.argmax(-1).tolist())
+        return first, list(records)
 
-def check_request(prompts, max_new_tokens, vocab_size: int):
+def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"):
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: give at least one token of prompt text")
+        raise ValueError(f"empty {what}: give at least one token of {what} text")
     if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not all(is_int(t) and 0 <= t < vocab_size for p in prompts for t in p):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}) for this model")
+        raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model")
 
 
 def sync_time(device) -> float:

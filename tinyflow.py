@@ -18,6 +18,13 @@ class Output:
     text: str  # the decoded generated text
 
 
+@dataclass
+class Score:
+    token_ids: list[int]  # the continuation's ids
+    logprobs: list[float]  # log p of each of them given everything before it (the first: given the prompt)
+    argmax: list[int]  # the most likely token at each of those positions
+
+
 class LLM:
     def __init__(self, model: str, budget: int | None = None, policy: str = "longflow",
                  device=None, dtype=None, compile: bool = True, sinks: int | None = None,
@@ -46,13 +53,26 @@ class LLM:
         """prompts: a list of strings (tokenized as they are) or of token-id lists. batch_size: how many
         sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
         take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt."""
-        if isinstance(prompts, str):
-            raise TypeError("prompts must be a list of strings or of token-id lists, not one string")
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = self._ids(prompts, "prompts")
         outs, self.stats = self.engine.generate(ids, max_new_tokens, self.tokenizer.eos_ids, self.budget,
                                                 self.policy, Sampling(temperature, top_k, top_p), seed,
                                                 batch_size, prompt_rule=self.prompt_rule)
         return [Output(o, self.tokenizer.decode(o)) for o in outs]
+
+    def score(self, prompts, continuations, batch_size: int | None = None) -> list[Score]:
+        """Teacher-forced log-probabilities: each prompt is prefilled (compressed if it does not fit, as in
+        generate), then its continuation is fed one token at a time through the decode step, evicting with
+        this LLM's budget and policy exactly as generation would. prompts, continuations: lists of the
+        same length, of strings (tokenized separately, as they are) or token-id lists."""
+        prompt_ids, cont_ids = self._ids(prompts, "prompts"), self._ids(continuations, "continuations")
+        outs, self.stats = self.engine.score(prompt_ids, cont_ids, self.budget, self.policy, batch_size,
+                                             self.prompt_rule)
+        return [Score(*map(list, zip(*records))) for records in outs]
+
+    def _ids(self, texts, what: str) -> list[list[int]]:
+        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+            raise TypeError(f"{what} must be a list of strings or of token-id lists, not {type(texts).__name__}")
+        return [self.tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
 
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
         """conversations: a list of conversations, each a list of {"role", "content"} messages (one

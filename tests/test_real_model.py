@@ -1,0 +1,80 @@
+"""The real checkpoint, SmolLM2-135M-Instruct (the `smollm2` fixture: downloaded from the package index
+and converted once), against transformers, in float32 on the CPU. Tolerances as in test_model.py: the same
+math in another order agrees to rounding, here within 1e-4 on logits of magnitude ~30."""
+import pytest
+import torch
+import transformers
+
+import tinyflow
+from cache import KVCache
+from test_score import longflow_by_hand
+
+PROMPT = "Ownership is a set of rules that govern how a Rust program manages memory."
+TEXT = (" All programs have to manage the way they use a computer's memory while running. Some languages "
+        "have garbage collection that regularly looks for no-longer-used memory as the program runs; in other "
+        "languages, the programmer must explicitly allocate and free the memory. Rust uses a third approach.")
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2):
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return tinyflow.LLM(str(smollm2), device="cpu", compile=False)
+
+
+def test_logits_and_greedy_generation_equal_transformers(llm, hf):
+    ids = llm.tokenizer.encode(PROMPT + TEXT)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    cache = KVCache(llm.model.cfg, 1, len(ids), "cpu", torch.float32)
+    logits = llm.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, rows=torch.tensor([0]))[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+    prompt = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, min_new_tokens=48)
+    ours = llm.generate([prompt], max_new_tokens=48)[0].token_ids
+    assert ours == reference[0, len(prompt):].tolist()
+
+
+def test_full_cache_scores_are_transformers_log_softmax(llm, hf):
+    prompt, cont = llm.tokenizer.encode(PROMPT), llm.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        logp = hf(torch.tensor([prompt + cont])).logits[0].log_softmax(-1)[len(prompt) - 1:-1]
+    score = llm.score([prompt], [cont])[0]
+    torch.testing.assert_close(torch.tensor(score.logprobs), logp.gather(1, torch.tensor(cont)[:, None])[:, 0],
+                               atol=1e-4, rtol=0)
+    assert score.argmax == logp.argmax(-1).tolist()
+
+
+def test_a_budget_that_holds_everything_scores_exactly_as_the_full_cache(llm):
+    llm.set_policy(None)
+    full = llm.score([PROMPT], [TEXT])
+    for policy in ("longflow", "h2o"):
+        llm.set_policy(128, policy)
+        assert llm.score([PROMPT], [TEXT]) == full, policy
+    llm.set_policy(None)
+
+
+def test_small_budget_scores_equal_a_longflow_cache_written_by_hand(llm):
+    prompt, cont = llm.tokenizer.encode(PROMPT), llm.tokenizer.encode(TEXT)
+    assert len(prompt) < 40 < len(prompt) + len(cont) - 20  # the prompt fits, the text evicts
+    with torch.no_grad():
+        expected = longflow_by_hand(llm.model, prompt, cont, budget=40)
+    llm.set_policy(40, "longflow")
+    got = llm.score([prompt], [cont])[0]
+    llm.set_policy(None)
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def test_chat_template_renders_the_ids_transformers_renders(llm, smollm2):
+    hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+    for messages in ([{"role": "user", "content": "What is 17 * 23?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2?"}]):
+        expected = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        assert llm.tokenizer.chat(messages) == list(expected)
