@@ -10,9 +10,11 @@ stop an evaluation run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 import random
 import re
 import threading
@@ -50,8 +52,14 @@ def load_dataset(name_or_path: str | Path) -> list[dict]:
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def build_messages(question: str) -> list[dict]:
-    return [{"role": "user", "content": f"{question}\n{PROMPT_SUFFIX}"}]
+def build_messages(question: str, suffix: str | None = PROMPT_SUFFIX) -> list[dict]:
+    return [{"role": "user", "content": f"{question}\n{suffix}" if suffix else question}]
+
+
+def grade(item: dict, completion: str) -> bool:
+    if item.get("grade") == "needle":
+        return needle_found(completion, item["true_answer"])
+    return is_correct(completion, item["true_answer"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,35 +232,71 @@ def is_correct(completion_text: str, true_answer) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# A synthetic long-context check that needs no download: find the value hidden in a long haystack
-# (RULER-style needle retrieval), generated from a seed at any length, so compression can be tested
-# on prompts longer than the budget.
+# Needle retrieval (RULER-style) that needs no download: a key-value "needle" hidden at a known depth in
+# real prose, generated from a seed at any length, so compression can be tested on prompts longer than
+# the budget. Graded by string match, as RULER does, a little stricter: the value must appear in the answer
+# as a whole number (a cut-off 608 does not count for 6088743).
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-          "A river runs through the valley, and the hills are quiet in the evening light. ")
+NEEDLE_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the needle sits, as a share of the haystack, in turn
 
 
 def retrieval_items(n: int, words: int, seed: int = 0) -> list[dict]:
-    """n questions, each a haystack of about `words` words with one key-value needle at a seeded depth."""
+    """n questions, each `words` words of the shipped Rust book prose (from a seeded place) with one needle
+    "The special magic number for KEY is VALUE." at the next of NEEDLE_DEPTHS."""
     rng = random.Random(seed)
-    filler = FILLER.split()
+    prose = " ".join(json.loads(line)["text"] for line in RUST_BOOK.read_text(encoding="utf-8").splitlines()).split()
+    if not 0 < words < len(prose):
+        raise ValueError(f"--retrieval-words must be in 1..{len(prose) - 1} (the shipped prose has {len(prose)} words)")
     items = []
     for i in range(n):
         key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
         value = str(rng.randrange(10**6, 10**7))
-        hay = [filler[j % len(filler)] for j in range(words)]
-        hay.insert(rng.randrange(words), f"The special magic number for {key} is {value}.")
-        question = (" ".join(hay) + f"\n\nWhat is the special magic number for {key} mentioned in the text "
-                    "above? Answer with the number alone.")
-        items.append({"index": i, "question": question, "true_answer": value})
+        start = rng.randrange(len(prose) - words)
+        hay, depth = prose[start:start + words], NEEDLE_DEPTHS[i % len(NEEDLE_DEPTHS)]
+        needle = f"The special magic number for {key} is {value}."
+        hay.insert(round(depth * words), needle)
+        question = ("A special magic number is hidden in the following text. Remember it; I will ask you about "
+                    f"it afterwards.\n\n{' '.join(hay)}\n\nWhat is the special magic number for {key} mentioned "
+                    "in the text above? Answer with the number alone.")
+        items.append({"index": i, "question": question, "true_answer": value, "depth": depth,
+                      "needle": needle, "suffix": None, "grade": "needle"})
     return items
+
+
+def needle_found(completion: str, value: str) -> bool:
+    return value in re.findall(r"\d+", completion)
+
+
+def needle_kept(llm, conv: list[dict], item: dict) -> float:
+    """The share of (layer, KV head) rows of the cache that still hold every token of the needle's value
+    right after the prompt was prefilled and compressed with the LLM's budget and rules."""
+    import torch
+
+    from cache import KVCache
+    text = llm.tokenizer.render(conv)
+    at = text.index(item["needle"]) + item["needle"].index(item["true_answer"])
+    enc = llm.tokenizer.tok.encode(text, add_special_tokens=False)
+    wanted = {i for i, (a, b) in enumerate(enc.offsets) if a < at + len(item["true_answer"]) and b > at}
+    assert wanted, "the needle's value must be somewhere in the tokens"
+    T, tensor = len(enc.ids), lambda data: torch.tensor(data, device=llm.device)
+    full = llm.budget is None or llm.policy.rule == "fill"  # as generation does: room for every token
+    cache = KVCache(llm.model.cfg, 1, T + 1 if full else llm.budget, llm.device, llm.dtype, llm.policy,
+                    llm.prompt_rule)
+    llm.model(tensor([enc.ids]), tensor([list(range(T))]), cache, rows=tensor([0]), last=tensor([T - 1]))
+    rows = [set(row) for layer in cache.layers for row in layer.pos[0].tolist()]  # L x H_kv sets of positions
+    return sum(wanted <= row for row in rows) / len(rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # Running a model: one JSONL line per (item, sample), resumable, then a summary.
 
-def run_file(out_dir: Path, data: str, policy: str, budget: int | None) -> Path:
-    return out_dir / f"{Path(data).stem}_{policy}_{budget or 'all'}.jsonl"
+def run_file(out_dir: Path, data: str, policy: str, budget: int | None, rule: str = "snapkv") -> Path:
+    return out_dir / f"{Path(data).stem}_{run_name(policy, budget, rule, '_')}.jsonl"
+
+
+def run_name(policy: str, budget: int | None, rule: str, sep=":") -> str:
+    """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV."""
+    return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []))
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -275,7 +319,7 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
     generate_s, new_tokens, kv_bytes = 0.0, 0, None  # of the generations made now, not of earlier runs
     for start in range(0, len(todo), chunk):
         part = todo[start:start + chunk]
-        convs = [build_messages(it["question"]) for it, _ in part]
+        convs = [build_messages(it["question"], it.get("suffix", PROMPT_SUFFIX)) for it, _ in part]
         # a seed per (item, sample): a resumed or re-chunked run draws the same samples
         seeds = [seed + 1000003 * s + it["index"] for it, s in part]
         outs = llm.chat(convs, max_new_tokens=max_new_tokens, seed=seeds, **sampling)
@@ -285,11 +329,13 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
         with path.open("a") as f:
             for (it, s), conv, out in zip(part, convs, outs):
                 prompt_len = len(llm.tokenizer.chat(conv))
+                extra = {"depth": it["depth"], "needle_kept": needle_kept(llm, conv, it)} \
+                    if it.get("grade") == "needle" else {}
                 f.write(json.dumps({
                     "index": it["index"], "sample": s, "prompt": conv[0]["content"], "completion": out.text,
                     "answer": extract_boxed(out.text), "true_answer": it["true_answer"],
-                    "correct": is_correct(out.text, it["true_answer"]), "tokens": len(out.token_ids),
-                    "budget_full": llm.budget is not None and prompt_len + len(out.token_ids) > llm.budget,
+                    "correct": grade(it, out.text), "tokens": len(out.token_ids),
+                    "budget_full": llm.budget is not None and prompt_len + len(out.token_ids) > llm.budget, **extra,
                 }) + "\n")
         progress(f"{path.name}: {min(start + chunk, len(todo))}/{len(todo)} generations")
     rows = read_rows(path)
@@ -298,7 +344,17 @@ def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: i
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
             "budget_full_fraction": sum(r["budget_full"] for r in rows) / len(rows),
             "tokens_per_s": new_tokens / generate_s if generate_s else None,
-            "kv_bytes": kv_bytes}
+            "kv_bytes": kv_bytes, **needle_summary(rows)}
+
+
+def needle_summary(rows: list[dict]) -> dict:
+    """Needle retrieval: accuracy at each depth, and how often the needle survived prompt compression."""
+    if not rows or "needle_kept" not in rows[0]:
+        return {}
+    depths = sorted({r["depth"] for r in rows})
+    at = {d: [r["correct"] for r in rows if r["depth"] == d] for d in depths}
+    return {"needle_kept": sum(r["needle_kept"] for r in rows) / len(rows),
+            "accuracy_by_depth": {str(d): sum(c) / len(c) for d, c in at.items()}}
 
 
 def check_settings(path: Path, settings: dict):
@@ -311,14 +367,16 @@ def check_settings(path: Path, settings: dict):
     saved.write_text(json.dumps(settings))
 
 
-def parse_run(text: str) -> tuple[str, int | None]:
-    """'longflow:3200' -> ("longflow", 3200); 'full' -> ("full", None)."""
-    policy, _, budget = text.partition(":")
-    if budget and not budget.isdigit():
-        raise ValueError(f"bad run {text!r}: write POLICY or POLICY:BUDGET, e.g. longflow:3200")
+def parse_run(text: str) -> tuple[str, int | None, str]:
+    """'longflow:3200' -> ("longflow", 3200, "snapkv"); 'full' -> ("full", None, "snapkv");
+    'longflow:512:streaming' -> ("longflow", 512, "streaming"): the third part compresses long prompts."""
+    policy, budget, rule = (text.split(":") + ["", ""])[:3]
+    if (budget and not budget.isdigit()) or text.count(":") > 2 or (rule and not budget):
+        raise ValueError(f"bad run {text!r}: write POLICY, POLICY:BUDGET or POLICY:BUDGET:PROMPT_RULE, "
+                         "e.g. longflow:3200 or longflow:512:streaming")
     if policy == "full" and budget:
         raise ValueError(f"bad run {text!r}: the full cache keeps every token and takes no budget; write full")
-    return policy, int(budget) if budget else None
+    return policy, int(budget) if budget else None, rule or "snapkv"
 
 
 def write_table(summaries: list[dict], out_dir: Path):
@@ -328,7 +386,7 @@ def write_table(summaries: list[dict], out_dir: Path):
     for s in summaries:
         tps = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "-"
         kv = f"{s['kv_bytes'] / 2**20:.0f}" if s["kv_bytes"] else "-"
-        lines.append(f"| {s['policy']} | {s['budget'] or 'all'} | {s['accuracy']:.3f} | {s['mean_tokens']:.0f} | "
+        lines.append(f"| {policy_label(s)} | {s['budget'] or 'all'} | {s['accuracy']:.3f} | {s['mean_tokens']:.0f} | "
                      f"{s['budget_full_fraction']:.2f} | {tps} | {kv} |")
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -339,8 +397,8 @@ def write_table(summaries: list[dict], out_dir: Path):
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in sorted({s["policy"] for s in summaries if s["budget"]}):
-        pts = sorted((s["budget"], s["accuracy"]) for s in summaries if s["policy"] == policy and s["budget"])
+    for policy in sorted({policy_label(s) for s in summaries if s["budget"]}):
+        pts = sorted((s["budget"], s["accuracy"]) for s in summaries if policy_label(s) == policy and s["budget"])
         ax.plot(*zip(*pts), marker="o", label=policy)
     for s in summaries:
         if not s["budget"]:
@@ -350,13 +408,288 @@ def write_table(summaries: list[dict], out_dir: Path):
     fig.savefig(out_dir / "compare.png", dpi=120, bbox_inches="tight")
 
 
+# ---------------------------------------------------------------------------------------------
+# Fidelity to the full cache, teacher-forced (`python eval.py fidelity ...`): every run reads the same
+# token streams through Engine.score_steps; the full cache's log-probabilities, argmax and distributions are the
+# reference. Per predicted token: the NLL increase over the full cache, whether the argmax agrees, and
+# KL(full || run). The runs of one budget are scored in lock-step with the full cache, so each position's
+# two distributions meet once and are dropped: nothing of size tokens x vocabulary is ever kept.
+
+RUST_BOOK = DATA_DIR / "rust_book.jsonl"
+SELF_SAMPLING = dict(temperature=0.6, top_p=0.95)  # DeepSeek-R1's recommended sampling
+BOOTSTRAP_BLOCK = 64  # tokens per block of the bootstrap error bars
+
+
+def rust_texts(tokenizer, n: int, prompt_tokens: int, tokens: int) -> list[dict]:
+    """The first n shipped chapters of the Rust book (data/rust_book.jsonl), each cut into a prompt and a
+    continuation of the given lengths in tokens."""
+    texts = []
+    for line in RUST_BOOK.read_text(encoding="utf-8").splitlines()[:n]:
+        row = json.loads(line)
+        ids = tokenizer.encode(row["text"])
+        if len(ids) < prompt_tokens + tokens:
+            raise ValueError(f"{row['title']} has {len(ids)} tokens, fewer than --prompt-tokens + --tokens "
+                             f"({prompt_tokens + tokens})")
+        texts.append({"name": f"rust/{row['title']}", "prompt": ids[:prompt_tokens],
+                      "continuation": ids[prompt_tokens:prompt_tokens + tokens]})
+    return texts
+
+
+def self_texts(llm, model: str, n: int, tokens: int, seed: int, path: Path) -> list[dict]:
+    """The model reading its own chain of thought: its full-cache answers, sampled at a fixed seed, to the
+    first n MATH-500 questions asked as eval.py asks them, `tokens` long (an end-of-turn token does not
+    stop it, so every text has the same length and goes on with turns the model makes up). Generated once
+    and kept in `path` (for this model, n, tokens and seed)."""
+    settings = {"model": model, "n": n, "tokens": tokens, "seed": seed, "sampling": SELF_SAMPLING}
+    if path.exists():
+        lines = path.read_text().splitlines()
+        if lines and json.loads(lines[0]) == settings:
+            return [json.loads(line) for line in lines[1:]]
+    items = load_dataset("math")[:n]
+    prompts = [llm.tokenizer.chat(build_messages(it["question"])) for it in items]
+    llm.set_policy(None, "full")
+    outs = llm.generate(prompts, max_new_tokens=tokens, seed=seed, **SELF_SAMPLING, ignore_eos=True)
+    texts = [{"name": f"self/math-{it['index']}", "prompt": p, "continuation": o.token_ids}
+             for it, p, o in zip(items, prompts, outs)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in [settings, *texts]))
+    return texts
+
+
+def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]], batch_size: int | None,
+                       progress=print) -> tuple[list, list[list]]:
+    """Score every text with the full cache and with each (policy, budget, prompt rule) run, advancing them in turn
+    one host sync at a time. Returns the full cache's scores and, per run, its scores with a "kl" list
+    per text (KL(full || run) at every position)."""
+    from cache import resolve_policy
+    from generate import Engine
+    prompts, conts = [t["prompt"] for t in texts], [t["continuation"] for t in texts]
+    # one batch size for all: rows refill at the same steps, so the blocks of every run line up
+    batch_size = batch_size or len(texts)
+    reference = {}  # (text, index) -> [logp [n, V], runs still to compare]: one host sync's worth at most
+    kl = [[[math.nan] * len(c) for c in conts] for _ in runs]
+
+    def keep(p, index, logp):
+        reference[p, index] = [logp, len(runs)]
+
+    def compare(r):
+        def on_dists(p, index, logp):
+            entry = reference.get((p, index))
+            if entry is None or len(entry[0]) != len(logp):
+                raise RuntimeError("fidelity runs fell out of step with the full cache")
+            kl[r][p][index:index + len(logp)] = (entry[0].exp() * (entry[0] - logp)).sum(-1).tolist()
+            entry[1] -= 1
+            if entry[1] == 0:
+                del reference[p, index]
+        return on_dists
+
+    engines = [Engine(llm.model, compile=llm.engine.compile) for _ in range(len(runs) + 1)]
+    steps = [engines[0].score_steps(prompts, conts, None, "full", batch_size, on_dists=keep)]
+    steps += [e.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule), batch_size,
+                            rule, on_dists=compare(r)) for r, (e, (policy, budget, rule)) in enumerate(zip(engines[1:], runs))]
+    results, syncs = [None] * len(steps), 0
+    while any(r is None for r in results):
+        for i, s in enumerate(steps):  # the full cache first: its block is there when the runs compare theirs
+            if results[i] is None:
+                try:
+                    next(s)
+                except StopIteration as stop:
+                    results[i] = stop.value[0]
+        syncs += 1
+        if syncs % 16 == 0:
+            progress(f"  {syncs * engines[0].sync_every} steps")
+    if reference or any(math.isnan(x) for k in kl for text in k for x in text):
+        raise RuntimeError("fidelity runs fell out of step with the full cache")
+    return results[0], [(scores, kl[r]) for r, scores in enumerate(results[1:])]
+
+
+def compare_scores(full, run, kl, measure_from: int, seed: int = 0) -> dict:
+    """Means over every prediction from index measure_from on, with bootstrap standard errors: blocks of
+    BOOTSTRAP_BLOCK consecutive tokens (neighbouring tokens are not independent) resampled 1,000 times. The
+    same tokens for every run, so runs compare paired."""
+    blocks = []  # per block of tokens: [sum of NLL increases, of top-1 agreements, of KL, tokens]
+    per_text = []
+    for f, r, k in zip(full, run, kl):
+        nll = [a[1] - b[1] for a, b in zip(f[measure_from:], r[measure_from:])]
+        top1 = [float(a[2] == b[2]) for a, b in zip(f[measure_from:], r[measure_from:])]
+        k = k[measure_from:]
+        per_text.append({"nll_increase": sum(nll) / len(nll), "top1": sum(top1) / len(top1), "kl": sum(k) / len(k)})
+        for s in range(0, len(nll), BOOTSTRAP_BLOCK):
+            part = slice(s, s + BOOTSTRAP_BLOCK)
+            blocks.append([sum(nll[part]), sum(top1[part]), sum(k[part]), len(nll[part])])
+    mean = lambda bs: [sum(b[i] for b in bs) / sum(b[3] for b in bs) for i in range(3)]
+    rng = random.Random(seed)
+    means = mean(blocks)
+    resampled = [mean([rng.choice(blocks) for _ in blocks]) for _ in range(1000)]
+    errors = [math.sqrt(sum((m[i] - means[i]) ** 2 for m in resampled) / len(resampled)) for i in range(3)]
+    out = {}
+    for i, name in enumerate(("nll_increase", "top1", "kl")):
+        out[name], out[name + "_err"] = means[i], errors[i]
+    return dict(out, per_text=per_text)
+
+
+def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: int, full_outs) -> dict:
+    """Greedy generation of `tokens` tokens from each text's prompt against the full cache's: the first
+    position where they differ (tokens if none) and the share of equal positions, averaged over texts."""
+    policy, budget, rule = run
+    llm.set_policy(budget, policy, prompt_compression=rule)
+    outs = [o.token_ids for o in llm.generate([t["prompt"] for t in texts], max_new_tokens=tokens,
+                                            ignore_eos=True)]
+    first = [next((i for i, (a, b) in enumerate(zip(o, f)) if a != b), tokens) for o, f in zip(outs, full_outs)]
+    equal = [sum(a == b for a, b in zip(o, f)) / tokens for o, f in zip(outs, full_outs)]
+    return {"first_divergence": sum(first) / len(first), "equal_share": sum(equal) / len(equal)}
+
+
+def policy_label(summary: dict) -> str:
+    rule = summary["prompt_compression"]
+    return summary["policy"] + ("" if rule == "snapkv" else f" ({rule} prompts)")
+
+
+def write_fidelity_table(summaries: list[dict], out_dir: Path):
+    """fidelity.md (one row per run) and fidelity.png (NLL increase against budget, a line per policy)."""
+    lines = ["| policy | budget | NLL increase (nats/token) | top-1 agreement | KL(full ‖ run) | "
+             "free generation: first divergence | equal tokens |", "|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (policy_label(s), s["budget"])):
+        lines.append(f"| {policy_label(s)} | {s['budget']} | {s['nll_increase']:+.3f} ± {s['nll_increase_err']:.3f} | "
+                     f"{100 * s['top1']:.1f}% ± {100 * s['top1_err']:.1f} | {s['kl']:.3f} ± {s['kl_err']:.3f} | "
+                     f"{s['first_divergence']:.0f} | {100 * s['equal_share']:.0f}% |")
+    (out_dir / "fidelity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for policy in sorted({policy_label(s) for s in summaries}):
+        pts = sorted((s["budget"], s["nll_increase"], s["nll_increase_err"]) for s in summaries
+                     if policy_label(s) == policy)
+        budgets, nll, err = zip(*pts)
+        ax.errorbar(budgets, nll, yerr=err, marker="o", capsize=3, label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set(xlabel="KV budget (slots)", ylabel="NLL increase over the full cache (nats/token)",
+           title="fidelity to the full cache, teacher-forced")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out_dir / "fidelity.png", dpi=120, bbox_inches="tight")
+
+
+def fidelity_main(argv):
+    import time
+
+    from generate import Parser, positive_int
+    p = Parser(prog="eval.py fidelity", description="Teacher-forced fidelity of KV-cache policies to the full "
+               "cache: NLL increase, top-1 agreement, KL, free generation.")
+    p.add_argument("--model", required=True, help="Hugging Face id or local folder")
+    p.add_argument("--runs", nargs="+", required=True, help="POLICY:BUDGET[:PROMPT_RULE] runs, e.g. longflow:64 "
+                   "tova:64 (the full cache always runs: it is the reference)")
+    p.add_argument("--texts", nargs="+", default=["rust", "self"], choices=["rust", "self"],
+                   help="rust: the shipped Rust book chapters; self: the model's own sampled answers to MATH-500")
+    p.add_argument("--rust-texts", type=positive_int, default=6, help="how many Rust book chapters (at most 6)")
+    p.add_argument("--self-texts", type=positive_int, default=4, help="how many of the model's own answers")
+    p.add_argument("--prompt-tokens", type=positive_int, default=64, help="rust texts: tokens read before scoring")
+    p.add_argument("--tokens", type=positive_int, default=1536, help="predictions per text")
+    p.add_argument("--measure-last", type=positive_int, default=512, help="average over the last N predictions")
+    p.add_argument("--free-tokens", type=positive_int, default=256, help="greedy tokens for the free-generation check")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="texts scored together (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/fidelity")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-compile", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        import tinyflow
+        runs = fidelity_runs(args.runs)
+        chapters = len(RUST_BOOK.read_text(encoding="utf-8").splitlines())
+        if "rust" in args.texts and args.rust_texts > chapters:
+            raise ValueError(f"--rust-texts {args.rust_texts}: data/rust_book.jsonl has {chapters} chapters")
+        if args.measure_last > args.tokens:
+            raise ValueError(f"--measure-last {args.measure_last} is more than --tokens {args.tokens}")
+        out_dir = Path(args.out)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"--out {out_dir} is a file; give a folder")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        llm = tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile)
+        texts = rust_texts(llm.tokenizer, args.rust_texts, args.prompt_tokens, args.tokens) \
+            if "rust" in args.texts else []
+        if "self" in args.texts:
+            texts += self_texts(llm, args.model, args.self_texts, args.tokens, args.seed, out_dir / "self_texts.jsonl")
+        settings = {k: getattr(args, k) for k in ("model", "texts", "rust_texts", "self_texts", "prompt_tokens",
+                                                   "tokens", "measure_last", "free_tokens", "seed")}
+        # the numbers depend on the dtype and, to rounding, the device; and on the very tokens read
+        settings.update(device=llm.device.type, dtype=str(llm.dtype), texts_sha256=hashlib.sha256(
+            json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
+        path = lambda policy, budget, rule: out_dir / f"fidelity_{run_name(policy, budget, rule, '_')}.json"
+        todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
+        llm.set_policy(None, "full")
+        full_free = [o.token_ids for o in llm.generate([t["prompt"] for t in texts], args.free_tokens,
+                                                       ignore_eos=True)] if todo else None
+        # one lock-step pass per budget, so each budget's results land (and survive an interruption)
+        # together; the price is scoring the full cache once per budget
+        for budget in sorted({r[1] for r in todo}):
+            group = [r for r in todo if r[1] == budget]
+            print(f"fidelity: budget {budget}: {', '.join(run_name(*r) for r in group)} against the full cache, "
+                  f"{len(texts)} texts x {args.tokens} tokens")
+            start = time.perf_counter()
+            full, scored = score_in_lock_step(llm, texts, group, args.batch_size)
+            group_seconds = time.perf_counter() - start
+            measure_from = args.tokens - args.measure_last
+            full_nll = -sum(x[1] for f in full for x in f[measure_from:]) / (len(full) * args.measure_last)
+            for run, (scores, kl) in zip(group, scored):
+                summary = dict(policy=run[0], budget=budget, prompt_compression=run[2],
+                               **compare_scores(full, scores, kl, measure_from),
+                               **free_generation(llm, texts, run, args.free_tokens, full_free),
+                               full_nll=full_nll, texts=[t["name"] for t in texts], group_seconds=group_seconds,
+                               settings=settings)
+                write_atomically(path(*run), json.dumps(summary, indent=1))
+        write_fidelity_table([read_json(path(*r)) for r in runs], out_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+def fidelity_runs(specs: list[str]) -> list[tuple[str, int, str]]:
+    """The compressed runs to compare (the full cache is the reference, so a `full` run is dropped),
+    checked before anything loads: a policy or budget that cannot work fails now, not after an hour."""
+    from cache import resolve_policy
+    runs = [parse_run(r) for r in specs]
+    if any(r[1] is None for r in runs if r[0] != "full"):
+        raise ValueError("every compressed run needs a budget: write POLICY:BUDGET, e.g. longflow:64")
+    runs = list(dict.fromkeys(r for r in runs if r[0] != "full"))
+    if not runs:
+        raise ValueError("give at least one compressed run to compare with the full cache, e.g. longflow:64")
+    for policy, budget, rule in runs:
+        resolve_policy(policy, budget, prompt_rule=rule)
+    return runs
+
+
+def read_json(path: Path) -> dict | None:
+    """A result file's content, or None if it is missing or was cut off (then it is simply redone)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_atomically(path: Path, text: str):
+    """Write a file so that it is either complete or absent, never half-written (an interrupted run)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main(argv=None):
     import argparse
-    p = argparse.ArgumentParser(description="Accuracy of KV-cache policies on reasoning benchmarks.")
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fidelity"]:
+        return fidelity_main(argv[1:])
+    p = argparse.ArgumentParser(description="Accuracy of KV-cache policies on reasoning benchmarks "
+                                "(and `eval.py fidelity --help`: fidelity to the full cache).")
     p.add_argument("--model", default="Qwen/Qwen3-8B")
     p.add_argument("--data", default="aime24", help=f"one of {', '.join(DATASETS)}, 'retrieval', or a JSONL file")
     p.add_argument("--runs", nargs="+", default=["longflow:3200"],
-                   help="POLICY[:BUDGET] runs to compare, e.g. full longflow:3200 tova:3200")
+                   help="POLICY[:BUDGET[:PROMPT_RULE]] runs to compare, e.g. full longflow:3200 tova:3200")
     p.add_argument("--max-new-tokens", type=int, default=16384)
     p.add_argument("--samples", type=int, default=1, help="pass@1 averaged over this many samples")
     p.add_argument("--limit", type=int, default=None, help="only the first N items")
@@ -373,24 +706,27 @@ def main(argv=None):
     try:
         import tinyflow
         from generate import Sampling
+        from cache import resolve_policy
         runs = [parse_run(r) for r in args.runs]
+        for policy, budget, rule in runs:  # a run that cannot work fails now, not after the others ran
+            resolve_policy(policy, budget, prompt_rule=rule)
         items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
             else load_dataset(args.data)
         items = items[:args.limit]
         out_dir = Path(args.out)
         summaries, llm = [], None
-        for policy, budget in runs:
+        for policy, budget, rule in runs:
             if llm is None:
                 llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
-            llm.set_policy(budget, policy)
+            llm.set_policy(budget, policy, prompt_compression=rule)
             sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, args.temperature, args.top_k,
                                                      args.top_p))
-            path = run_file(out_dir, args.data, policy, budget)
+            path = run_file(out_dir, args.data, policy, budget, rule)
             check_settings(path, dict(model=args.model, data=args.data, max_new_tokens=args.max_new_tokens,
                                       sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words))
             summary = evaluate(llm, items, path, args.samples, args.max_new_tokens, sampling, args.seed, args.chunk)
-            summaries.append(dict(summary, policy=policy, budget=budget, data=args.data, model=args.model,
-                                  sampling=sampling))
+            summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
+                                  model=args.model, sampling=sampling))
             path.with_suffix(".summary.json").write_text(json.dumps(summaries[-1], indent=1))
         write_table(summaries, out_dir)
     except (ValueError, FileNotFoundError) as e:

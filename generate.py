@@ -1,4 +1,5 @@
-"""Prefill, the compiled decode step, CUDA-graph replay, sampling, the generation loop, and the command line.
+"""Prefill, the compiled decode step, CUDA-graph replay, sampling or teacher forcing, the generation loop,
+and the command line.
 
     python generate.py --model Qwen/Qwen3-8B --budget 3200 --prompt "How many primes are below 100?"
 
@@ -129,7 +130,7 @@ class Forcing:
         return cls(z(batch, length), z(batch), z(batch, RING, dtype=torch.float32), z(batch, RING), dists)
 
     def read(self, cols, tokens: list[list[int]]) -> list[list[tuple]]:
-        """(token, logprob, argmax) of the steps in ring columns cols, per row (one host sync)."""
+        """(token, logprob, argmax) of the steps in ring columns cols, per row; tokens: their history."""
         return [list(zip(*row)) for row in zip(tokens, self.logprobs[:, cols].tolist(), self.argmax[:, cols].tolist())]
 
 
@@ -159,9 +160,9 @@ class Stepper:
     empty cache, which is then emptied again (the warm-up steps wrote junk tokens that are simply marked
     as empty slots)."""
 
-    def __init__(self, model, cache, state, rule, compile=True):
-        """rule: a Sampling (generate) or a Forcing (score): what picks the next token."""
-        self.model, self.cache, self.state, self.rule = model, cache, state, rule
+    def __init__(self, model, cache, state, mode, compile=True):
+        """mode: a Sampling (generate) or a Forcing (score): what decides the next token."""
+        self.model, self.cache, self.state, self.mode = model, cache, state, mode
         # every batch shape, policy and sampling setting compiles its own code (a full cache's shape is the
         # longest prompt + max_new_tokens); dynamo keeps 8 versions of a function by default and, with
         # fullgraph, fails on the ninth. Replays never check the versions, so a long-lived Engine keeps many.
@@ -172,7 +173,7 @@ class Stepper:
         options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
         compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if compile else fn
         self.run_block = compiled(run_block)
-        self.advance = compiled(advance_forced if isinstance(rule, Forcing) else advance)
+        self.advance = compiled(advance_forced if isinstance(mode, Forcing) else advance)
         self.graph = None
         if state.tokens.is_cuda:
             stream = torch.cuda.Stream()  # warm up (compile, autotune, allocate) off the capture stream
@@ -191,7 +192,7 @@ class Stepper:
     def step(self):
         st = self.state
         logits = self.model(st.tokens[:, None], st.positions[:, None], self.cache, run_block=self.run_block)
-        self.advance(logits[:, 0], st, self.rule)  # logits: [B, 1, V]
+        self.advance(logits[:, 0], st, self.mode)  # logits: [B, 1, V]
 
     def __call__(self):
         if self.graph is not None:
@@ -256,7 +257,7 @@ class Engine:
     def __init__(self, model: Transformer, compile=True, sync_every=16):
         assert 0 < sync_every < RING
         self.model, self.compile, self.sync_every = model, compile, sync_every
-        self.key = self.stepper = self.cache = self.state = self.rule = None  # of the last batch shape
+        self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
 
@@ -275,8 +276,8 @@ class Engine:
             seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
         if len(seed) != len(prompts) or not all(map(is_int, seed)):
             raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
-        return self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy, prompt_rule,
-                           sampling, batch_size, seed=seed, on_tokens=on_tokens)
+        return drain(self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy,
+                                 prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens))
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]], budget: int | None = None,
               policy: str | Policy = "longflow", batch_size: int | None = None, prompt_rule: str = "snapkv",
@@ -286,20 +287,32 @@ class Engine:
         pair, (token, log p(token | everything before it), the argmax there) for every continuation token.
         on_dists(pair, index, logp [n, V]) receives the full log-distributions of continuation tokens
         index .. index + n - 1 as they are computed (it costs a [B, RING, V] buffer)."""
+        return drain(self.score_steps(prompts, continuations, budget, policy, batch_size, prompt_rule, on_dists))
+
+    def score_steps(self, prompts, continuations, budget=None, policy="longflow", batch_size=None,
+                    prompt_rule="snapkv", on_dists=None):
+        """score, as a generator that yields after every host sync and returns score's result: several
+        engines advanced in turn score in lock-step (eval.py's fidelity compares their distributions
+        position by position without keeping them)."""
         check_request(prompts, 1, self.model.cfg.vocab_size)
         if not isinstance(continuations, (list, tuple)) or len(continuations) != len(prompts):
             raise ValueError(f"give one continuation per prompt: {len(prompts)} prompts, "
                              f"{len(continuations) if isinstance(continuations, (list, tuple)) else 'no list of'} "
                              f"continuations")
         check_request(continuations, 1, self.model.cfg.vocab_size, "continuation")
-        forcing = (max(map(len, continuations)), on_dists is not None)
-        return self._serve(prompts, [len(c) for c in continuations], set(), budget, policy, prompt_rule,
-                           forcing, batch_size, continuations=continuations, on_dists=on_dists)
+        # the buffer's length is part of the compiled step's shapes: a power of two (>= RING) lets continuations
+        # of many lengths share one compiled step (the index into it is clamped, the padding never fed)
+        length = max(RING, 2 ** math.ceil(math.log2(max(map(len, continuations)))))
+        forcing = (length, on_dists is not None)
+        return (yield from self._serve(prompts, [len(c) for c in continuations], set(), budget, policy,
+                                       prompt_rule, forcing, batch_size, continuations=continuations,
+                                       on_dists=on_dists))
 
-    def _serve(self, prompts, limits: list[int], eos: set, budget, policy, prompt_rule, rule, batch_size,
+    def _serve(self, prompts, limits: list[int], eos: set, budget, policy, prompt_rule, mode, batch_size,
                seed=None, on_tokens=None, continuations=None, on_dists=None):
-        """The common part of generate and score. rule: a Sampling, or (longest continuation, keep_dists)
-        for teacher forcing. limits: the tokens each prompt produces at most."""
+        """The common part of generate and score, a generator that yields at every host sync. mode: a
+        Sampling, or (continuation buffer length, keep_dists) for teacher forcing. limits: the tokens each
+        prompt produces at most."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if isinstance(policy, str):
@@ -310,9 +323,9 @@ class Engine:
         dists = 4 * RING * self.model.cfg.vocab_size if on_dists else 0  # bytes per row of Forcing.dists
         batch = self._batch_size(batch_size, len(prompts), budget, longest, dists)
         t0 = sync_time(self.device)
-        self._prepare(batch, budget, policy, prompt_rule, rule)
+        self._prepare(batch, budget, policy, prompt_rule, mode)
         t1 = sync_time(self.device)
-        outs, prefill_s = self._run(prompts, limits, eos, seed, on_tokens, continuations, on_dists)
+        outs, prefill_s = yield from self._run(prompts, limits, eos, seed, on_tokens, continuations, on_dists)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
         every_token = sum(len(p) + len(o) for p, o in zip(prompts, outs))
@@ -352,25 +365,26 @@ class Engine:
                              f"batch size, --max-new-tokens or --budget")
         return batch
 
-    def _prepare(self, batch, slots, policy, prompt_rule, rule):
+    def _prepare(self, batch, slots, policy, prompt_rule, mode):
         """Reuse the cache, buffers and captured graph when the shape and settings repeat."""
-        key = (batch, slots, policy, prompt_rule, rule)
+        key = (batch, slots, policy, prompt_rule, mode)
         if self.key == key:
             self.cache.reset()
             return
-        self.key = self.stepper = self.cache = self.state = self.rule = None  # free the old cache first
+        self.key = self.stepper = self.cache = self.state = self.mode = None  # free the old cache first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule)
         self.state = State.empty(batch, self.device)
-        self.rule = rule if isinstance(rule, Sampling) else \
-            Forcing.empty(batch, rule[0], self.model.cfg.vocab_size, rule[1], self.device)
-        self.stepper = Stepper(self.model, self.cache, self.state, self.rule, self.compile)
+        self.mode = mode if isinstance(mode, Sampling) else \
+            Forcing.empty(batch, mode[0], self.model.cfg.vocab_size, mode[1], self.device)
+        self.stepper = Stepper(self.model, self.cache, self.state, self.mode, self.compile)
         self.key = key
 
     def _run(self, prompts, limits, eos, seed, on_tokens, continuations, on_dists):
-        """Decode until every prompt is done, refilling rows as they free up. Returns (outputs, prefill s):
-        per prompt its tokens, or with teacher forcing its (token, logprob, argmax) records."""
+        """Decode until every prompt is done, refilling rows as they free up, yielding after each host sync.
+        Returns (outputs, prefill s): per prompt its tokens, or with teacher forcing its (token, logprob,
+        argmax) records."""
         B = self.state.tokens.shape[0]
         self.state.count.zero_()
         outs = [[] for _ in prompts]
@@ -399,7 +413,7 @@ class Engine:
             cols = torch.arange(steps_read, steps_read + self.sync_every, device=self.device) % RING
             new = self.state.history[:, cols].tolist()
             if continuations:
-                new = self.rule.read(cols, new)
+                new = self.mode.read(cols, new)
             steps_read += self.sync_every
             for b, p in enumerate(serving):
                 if p is None:
@@ -409,9 +423,10 @@ class Engine:
                     if not done(p):
                         outs[p].append(r)
                 if on_dists:
-                    on_dists(p, before, self.rule.dists[b, cols[:len(outs[p]) - before]])
+                    on_dists(p, before, self.mode.dists[b, cols[:len(outs[p]) - before]])
                 if done(p):
                     serving[b] = None
+            yield
 
     def _admit(self, rows: list[int], prompts, taken: list[int], seed, continuations, on_dists) -> list:
         """Prefill prompts `taken` into cache `rows`, set those rows' decode state, and return each
@@ -432,22 +447,22 @@ class Engine:
             logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, rows=r,
                                 last=lengths - 1)  # [n, V]
             if continuations:
-                first, records = self._force_first(r, batch, lengths, logits, continuations, on_dists)
+                first, records = self._force_first(group, batch, lengths, logits, continuations, on_dists)
             else:
-                s, seeds = self.rule, torch.tensor([seed[p] for p in batch], device=self.device)
+                s, seeds = self.mode, torch.tensor([seed[p] for p in batch], device=self.device)
                 first = sample(logits, seeds, lengths, s.temperature, s.top_k, s.top_p)
                 self.state.seeds[r], records = seeds, first.tolist()
             self.state.tokens[r], self.state.positions[r] = first, lengths
             firsts += records
         return firsts
 
-    def _force_first(self, r, batch, lengths, logits, continuations, on_dists) -> list[tuple]:
+    def _force_first(self, rows: list[int], batch, lengths, logits, continuations, on_dists):
         """Teacher forcing: the prompts' last logits score each continuation's first token; the rows get
-        their continuation, which the step then feeds."""
-        f = self.rule
+        their continuation, which the step then feeds. Returns the first tokens [n] and their records."""
+        f, r = self.mode, torch.tensor(rows, device=self.device)
         f.tokens[r] = 0
-        for i, p in enumerate(batch):
-            f.tokens[r[i], :len(continuations[p])] = torch.tensor(continuations[p], device=self.device)
+        for row, p in zip(rows, batch):
+            f.tokens[row, :len(continuations[p])] = torch.tensor(continuations[p], device=self.device)
         f.start[r] = lengths
         first = f.tokens[r, 0]
         logp = logits.log_softmax(-1)  # [n, V]
@@ -456,6 +471,16 @@ class Engine:
                 on_dists(p, 0, logp[i:i + 1])
         records = zip(first.tolist(), logp.gather(1, first[:, None])[:, 0].tolist(), logits.argmax(-1).tolist())
         return first, list(records)
+
+
+def drain(steps):
+    """Run a generator to its end and return what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
 
 def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"):
     if not prompts or any(len(p) == 0 for p in prompts):

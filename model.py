@@ -334,13 +334,20 @@ class Tokenizer:
         if not gen.get("do_sample", False):
             self.defaults = {"temperature": 0.0}
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """special: add what the tokenizer adds to the start of a text (BOS for Llama 3); not for a text
+        that continues another."""
+        return self.tok.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def chat(self, messages: list[dict], enable_thinking=True) -> list[int]:
+        # the template already wrote BOS and friends as text, so no special tokens are added here
+        return self.tok.encode(self.render(messages, enable_thinking), add_special_tokens=False).ids
+
+    def render(self, messages: list[dict], enable_thinking=True) -> str:
+        """The conversation as the model's chat template writes it, ready for the assistant's turn."""
         if self.template is None:
             raise ValueError("this model has no chat template; pass plain prompts (--no-chat)")
 
@@ -352,10 +359,8 @@ class Tokenizer:
         # as transformers provides them: JSON without HTML escaping (tool schemas), and today's date (Llama 3.2)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        text = env.from_string(self.template).render(
+        return env.from_string(self.template).render(
             messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **self.special)
-        # the template already wrote BOS and friends as text, so no special tokens are added here
-        return self.tok.encode(text, add_special_tokens=False).ids
 
 
 def load(name: str, device, dtype) -> tuple[Transformer, Tokenizer]:

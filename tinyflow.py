@@ -49,12 +49,14 @@ class LLM:
 
     def generate(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | list[int] | None = None,
-                 batch_size: int | None = None) -> list[Output]:
+                 batch_size: int | None = None, ignore_eos: bool = False) -> list[Output]:
         """prompts: a list of strings (tokenized as they are) or of token-id lists. batch_size: how many
         sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
-        take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt."""
+        take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt.
+        ignore_eos: generate max_new_tokens tokens whatever they are."""
         ids = self._ids(prompts, "prompts")
-        outs, self.stats = self.engine.generate(ids, max_new_tokens, self.tokenizer.eos_ids, self.budget,
+        eos = [] if ignore_eos else self.tokenizer.eos_ids
+        outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget,
                                                 self.policy, Sampling(temperature, top_k, top_p), seed,
                                                 batch_size, prompt_rule=self.prompt_rule)
         return [Output(o, self.tokenizer.decode(o)) for o in outs]
@@ -63,16 +65,17 @@ class LLM:
         """Teacher-forced log-probabilities: each prompt is prefilled (compressed if it does not fit, as in
         generate), then its continuation is fed one token at a time through the decode step, evicting with
         this LLM's budget and policy exactly as generation would. prompts, continuations: lists of the
-        same length, of strings (tokenized separately, as they are) or token-id lists."""
-        prompt_ids, cont_ids = self._ids(prompts, "prompts"), self._ids(continuations, "continuations")
+        same length, of strings (tokenized separately; a continuation gets no BOS) or token-id lists."""
+        prompt_ids = self._ids(prompts, "prompts")
+        cont_ids = self._ids(continuations, "continuations", special=False)
         outs, self.stats = self.engine.score(prompt_ids, cont_ids, self.budget, self.policy, batch_size,
                                              self.prompt_rule)
         return [Score(*map(list, zip(*records))) for records in outs]
 
-    def _ids(self, texts, what: str) -> list[list[int]]:
+    def _ids(self, texts, what: str, special: bool = True) -> list[list[int]]:
         if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
             raise TypeError(f"{what} must be a list of strings or of token-id lists, not {type(texts).__name__}")
-        return [self.tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
+        return [self.tokenizer.encode(t, special) if isinstance(t, str) else list(t) for t in texts]
 
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
         """conversations: a list of conversations, each a list of {"role", "content"} messages (one

@@ -50,13 +50,29 @@ def test_a_run_resumed_with_nothing_left_reports_no_kv_bytes_of_another_run(chec
     assert json.loads((out / "mini_longflow_40.summary.json").read_text())["kv_bytes"] is None
 
 
-def test_retrieval_items_hide_one_needle_at_the_asked_length():
-    items = ev.retrieval_items(3, words=500, seed=1)
-    assert items == ev.retrieval_items(3, words=500, seed=1)
+def test_retrieval_items_hide_one_needle_in_real_prose_at_each_depth_in_turn():
+    items = ev.retrieval_items(5, words=500, seed=1)
+    assert items == ev.retrieval_items(5, words=500, seed=1)
+    assert [it["depth"] for it in items] == list(ev.NEEDLE_DEPTHS)
     for it in items:
-        assert it["question"].count(f"is {it['true_answer']}.") == 1
+        assert it["question"].count(f"is {it['true_answer']}.") == 1 and it["needle"] in it["question"]
         assert 500 < len(it["question"].split()) < 550
-    assert ev.is_correct("\\boxed{" + items[0]["true_answer"] + "}", items[0]["true_answer"])
+        hay = it["question"].split("\n\n")[1]  # the haystack between the instruction and the question
+        before = hay[:hay.index(it["needle"])].split()
+        assert abs(len(before) - it["depth"] * 500) <= 1  # the needle sits at its depth, in words
+        assert ev.grade(it, f"The number is {it['true_answer']}.")
+        assert not ev.grade(it, f"The number is {it['true_answer'][:-1]}.")  # a cut-off value is wrong
+    assert "Ownership" in " ".join(it["question"] for it in ev.retrieval_items(40, 500))  # the Rust book
+
+
+def test_needle_kept_counts_the_rows_that_hold_every_digit_of_the_value(checkpoints):
+    import tinyflow
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    it = ev.retrieval_items(1, words=60, seed=0)[0]
+    conv = ev.build_messages(it["question"], None)
+    assert ev.needle_kept(llm, conv, it) == 1.0  # the full cache keeps everything
+    llm.set_policy(40, "streaming")  # 4 sinks and the last 35 prompt tokens: the needle, at 10%, is gone
+    assert ev.needle_kept(llm, conv, it) == 0.0
 
 
 def test_bad_run_spec_is_a_clear_error(checkpoints, tmp_path, capsys):

@@ -78,3 +78,22 @@ def test_chat_template_renders_the_ids_transformers_renders(llm, smollm2):
         expected = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
         assert llm.tokenizer.chat(messages) == list(expected)
+
+
+def test_fidelity_on_the_real_model_ranks_longflow_above_random_eviction(smollm2, tmp_path):
+    """eval.py fidelity end to end on real weights, both kinds of text: a budget that holds everything
+    measures exactly no difference, and on a trained model LongFlow stays closer to the full cache than
+    evicting at random does (random eviction drops the attention sinks)."""
+    import json
+
+    import eval as ev
+    out = tmp_path / "fid"
+    ev.main(["fidelity", "--model", str(smollm2), "--runs", "longflow:40", "random:40", "longflow:200",
+             "--rust-texts", "1", "--self-texts", "1", "--prompt-tokens", "32", "--tokens", "96",
+             "--measure-last", "48", "--free-tokens", "32", "--out", str(out), "--device", "cpu", "--no-compile"])
+    run = lambda name: json.loads((out / f"fidelity_{name}.json").read_text())
+    assert run("longflow_200")["texts"] == ["rust/ch04-01-what-is-ownership", "self/math-0"]
+    assert (run("longflow_200")["nll_increase"], run("longflow_200")["kl"], run("longflow_200")["top1"]) == (0, 0, 1)
+    assert 0 < run("longflow_40")["nll_increase"] < run("random_40")["nll_increase"]
+    assert run("longflow_40")["kl"] < run("random_40")["kl"]
+    assert (out / "fidelity.md").exists() and (out / "self_texts.jsonl").exists()

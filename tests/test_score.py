@@ -29,7 +29,7 @@ def transformers_logprobs(folder, prompt, continuation):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_full_cache_logprobs_are_transformers_log_softmax(checkpoints, arch):
-    llm = tinyflow.LLM(str(checkpoints[arch]), compile=False)
+    llm = tinyflow.LLM(str(checkpoints[arch]), device="cpu", compile=False)
     pairs = [(llm.tokenizer.encode(p), llm.tokenizer.encode(c)) for p, c in TEXTS]
     # two rows for four pairs of different lengths: rows are refilled as pairs finish
     scores = llm.score([p for p, _ in pairs], [c for _, c in pairs], batch_size=2)
@@ -42,29 +42,41 @@ def test_full_cache_logprobs_are_transformers_log_softmax(checkpoints, arch):
 
 
 def test_strings_and_token_ids_score_the_same(checkpoints):
-    llm = tinyflow.LLM(str(checkpoints["qwen3"]), compile=False)
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
     prompt, cont = TEXTS[0]
     by_text = llm.score([prompt], [cont])
     assert by_text == llm.score([llm.tokenizer.encode(prompt)], [llm.tokenizer.encode(cont)])
 
 
 def test_a_budget_that_holds_everything_scores_exactly_as_the_full_cache(checkpoints):
-    llm = tinyflow.LLM(str(checkpoints["qwen3"]), compile=False)
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
     prompts, conts = [p for p, _ in TEXTS], [c for _, c in TEXTS]
     full = llm.score(prompts, conts)
     llm.set_policy(64, "longflow")
     assert llm.score(prompts, conts) == full
 
 
-def test_scoring_a_greedy_generation_finds_each_token_was_the_argmax(checkpoints):
+@pytest.mark.parametrize("prompt_rule", ["snapkv", "streaming"])
+def test_scoring_a_greedy_generation_finds_each_token_was_the_argmax(checkpoints, prompt_rule):
     """Teacher forcing evicts exactly as generation does: fed its own greedy output under the same small
-    budget, the step's argmax is that output at every position."""
-    llm = tinyflow.LLM(str(checkpoints["llama"]), budget=40, compile=False)
+    budget, the step's argmax is that output at every position; also after a prompt longer than the
+    budget, compressed by either rule."""
+    llm = tinyflow.LLM(str(checkpoints["llama"]), budget=40, device="cpu", compile=False,
+                       prompt_compression=prompt_rule)
     prompts = [llm.tokenizer.encode(p) for p, _ in TEXTS]
+    prompts.append(llm.tokenizer.encode(" ".join(c for _, c in TEXTS)))  # longer than the 40 slots
+    assert len(prompts[-1]) > 40
     outs = llm.generate(prompts, max_new_tokens=90)  # 90 > 40 slots: evicting for most of the run
     scores = llm.score(prompts, [o.token_ids for o in outs], batch_size=3)
     for o, s in zip(outs, scores):
         assert s.argmax == o.token_ids
+
+
+def test_a_one_token_continuation_is_scored_from_the_prompt_alone(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    prompt, cont = llm.tokenizer.encode(TEXTS[0][0]), llm.tokenizer.encode(TEXTS[0][1])
+    one, many = llm.score([prompt, prompt], [cont[:1], cont])
+    assert one.token_ids == cont[:1] and one.logprobs == many.logprobs[:1] and one.argmax == many.argmax[:1]
 
 
 def longflow_by_hand(model, prompt: list[int], continuation: list[int], budget: int) -> list[float]:
@@ -106,19 +118,19 @@ def longflow_by_hand(model, prompt: list[int], continuation: list[int], budget: 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_small_budget_logprobs_equal_a_longflow_cache_written_by_hand(checkpoints, arch):
-    llm = tinyflow.LLM(str(checkpoints[arch]), budget=36, compile=False)
+    llm = tinyflow.LLM(str(checkpoints[arch]), budget=36, device="cpu", compile=False)
     prompt, cont = llm.tokenizer.encode(TEXTS[1][0]), llm.tokenizer.encode(" ".join(c for _, c in TEXTS) * 2)
     assert len(prompt) < 36 < len(prompt) + len(cont) - 30  # the prompt fits; the continuation evicts
     with torch.no_grad():
         expected = longflow_by_hand(llm.model, prompt, cont, budget=36)
-    full = tinyflow.LLM(str(checkpoints[arch]), compile=False).score([prompt], [cont])[0]
+    full = tinyflow.LLM(str(checkpoints[arch]), device="cpu", compile=False).score([prompt], [cont])[0]
     got = llm.score([prompt], [cont])[0]
     torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
     assert got.logprobs != full.logprobs  # eviction changed something
 
 
 def test_bad_score_requests_are_clear_errors(checkpoints):
-    llm = tinyflow.LLM(str(checkpoints["qwen3"]), compile=False)
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
     with pytest.raises(ValueError, match="one continuation per prompt: 2 prompts, 1 continuations"):
         llm.score(["a", "b"], ["c"])
     with pytest.raises(ValueError, match="empty continuation"):
@@ -129,3 +141,28 @@ def test_bad_score_requests_are_clear_errors(checkpoints):
         llm.score([[]], ["b"])
     with pytest.raises(TypeError, match="continuations must be a list"):
         llm.score(["a"], "b")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_compiled_scoring_step_matches_eager_and_never_recompiles(checkpoints, device):
+    """The scoring step compiled (and on the GPU replayed as a CUDA graph): the same records as run eagerly
+    (greedy argmax exactly; log-probabilities to float32 rounding, as the compiler fuses the log-softmax),
+    and other continuations, of other lengths, reuse the compiled step."""
+    from torch._dynamo.utils import counters
+    llm = tinyflow.LLM(str(checkpoints["llama"]), budget=36, device=device, dtype="float32", compile=False)
+    prompts = [llm.tokenizer.encode(p) for p, _ in TEXTS[:2]]
+    conts = [llm.tokenizer.encode(TEXTS[2][1] * 3)[:60], llm.tokenizer.encode(TEXTS[0][1] * 3)[:60]]
+    eager = llm.score(prompts, conts)
+    torch._dynamo.reset()
+    counters.clear()
+    others = [conts[1][:45], conts[0][:50]]  # other tokens, other lengths: the same continuation buffer
+    eager_others = llm.score(prompts[::-1], others)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = tinyflow.LLM(str(checkpoints["llama"]), budget=36, device=device, dtype="float32")
+        first = compiled.score(prompts, conts)
+        again = compiled.score(prompts[::-1], others)
+    assert counters["stats"]["unique_graphs"] == 2  # one compiled layer for both layers; plus the forcing
+    for got, want in zip(first + again, eager + eager_others):
+        assert got.token_ids == want.token_ids and got.argmax == want.argmax
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)

@@ -1,0 +1,61 @@
+"""eval.py fidelity: teacher-forced comparison of runs with the full cache, in lock-step, on a tiny checkpoint."""
+import json
+
+import pytest
+import torch
+
+import eval as ev
+import tinyflow
+from generate import Engine
+
+
+def fidelity(folder, out, *runs, extra=()):
+    ev.main(["fidelity", "--model", str(folder), "--runs", *runs, "--texts", "rust", "--rust-texts", "2",
+             "--prompt-tokens", "16", "--tokens", "48", "--measure-last", "32", "--free-tokens", "24",
+             "--out", str(out), "--device", "cpu", "--no-compile", *extra])
+
+
+def test_a_budget_that_holds_everything_measures_exactly_no_difference(checkpoints, tmp_path):
+    out = tmp_path / "fid"
+    fidelity(checkpoints["qwen3"], out, "longflow:100", "longflow:40", "streaming:40")
+    roomy = json.loads((out / "fidelity_longflow_100.json").read_text())
+    assert (roomy["nll_increase"], roomy["top1"], roomy["kl"]) == (0.0, 1.0, 0.0)  # 16 + 48 tokens fit in 100
+    assert (roomy["first_divergence"], roomy["equal_share"]) == (24, 1.0)
+    small = json.loads((out / "fidelity_longflow_40.json").read_text())
+    assert small["kl"] > 0 and small["top1"] < 1 and len(small["per_text"]) == 2
+    assert small["texts"] == ["rust/ch04-01-what-is-ownership", "rust/ch08-02-strings"]
+    table = (out / "fidelity.md").read_text()
+    assert "| longflow | 40 |" in table and "| streaming | 40 |" in table
+
+    # a second call finds every run finished with the same settings and scores nothing again
+    before = {p.name: p.read_text() for p in out.glob("fidelity_*.json")}
+    fidelity(checkpoints["qwen3"], out, "longflow:100", "longflow:40", "streaming:40")
+    assert {p.name: p.read_text() for p in out.glob("fidelity_*.json")} == before
+
+
+def test_lock_step_kl_equals_kl_of_the_kept_distributions(checkpoints):
+    """KL(full || run) computed block by block as the runs advance together equals KL computed from every
+    distribution of both runs kept whole (fine for a tiny model), with rows refilled on the way."""
+    llm = tinyflow.LLM(str(checkpoints["llama"]), device="cpu", compile=False)
+    texts = [{"prompt": llm.tokenizer.encode("Hello"), "continuation": llm.tokenizer.encode(" world" * 30)},
+             {"prompt": llm.tokenizer.encode("The quick"), "continuation": llm.tokenizer.encode(" brown fox" * 12)}]
+    full, [(scores, kl)] = ev.score_in_lock_step(llm, texts, [("tova", 36, "snapkv")], batch_size=1, progress=lambda _: None)
+
+    def all_dists(budget, policy):
+        kept = [dict() for _ in texts]
+        Engine(llm.model, compile=False).score([t["prompt"] for t in texts], [t["continuation"] for t in texts],
+                                               budget, policy, batch_size=1,
+                                               on_dists=lambda p, i, d: kept[p].update({i: d}))
+        return [torch.cat([k[i] for i in sorted(k)]) for k in kept]
+    for f, r, k, s, text in zip(all_dists(None, "full"), all_dists(36, "tova"), kl, scores, texts):
+        assert k == (f.exp() * (f - r)).sum(-1).tolist()  # the same rows in the same batch: bit for bit
+        # and the distributions are those of the scored positions: they give the run's own log-probabilities
+        assert r.gather(1, torch.tensor(text["continuation"])[:, None])[:, 0].tolist() == [x[1] for x in s]
+    assert any(x > 0 for k in kl for x in k)
+
+
+@pytest.mark.parametrize("runs, message", [(["full"], "at least one compressed run"),
+                                           (["longflow"], "every compressed run needs a budget")])
+def test_fidelity_without_a_run_to_compare_is_a_clear_error(checkpoints, tmp_path, runs, message):
+    with pytest.raises(SystemExit, match=message):
+        fidelity(checkpoints["qwen3"], tmp_path / "fid", *runs)
