@@ -379,6 +379,20 @@ def parse_run(text: str) -> tuple[str, int | None, str]:
     return policy, int(budget) if budget else None, rule or "snapkv"
 
 
+def write_table_and_pyplot(lines: list[str], path: Path):
+    """Write and print a markdown table; return matplotlib's pyplot for the plot beside it (drawing to
+    files), or None when matplotlib is not installed."""
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_table(summaries: list[dict], out_dir: Path):
     """A markdown table of the runs, and a PNG of accuracy against budget when matplotlib is there."""
     lines = ["| policy | budget | accuracy | mean tokens | budget ever full | tokens/s | KV MiB |",
@@ -388,13 +402,8 @@ def write_table(summaries: list[dict], out_dir: Path):
         kv = f"{s['kv_bytes'] / 2**20:.0f}" if s["kv_bytes"] else "-"
         lines.append(f"| {policy_label(s)} | {s['budget'] or 'all'} | {s['accuracy']:.3f} | {s['mean_tokens']:.0f} | "
                      f"{s['budget_full_fraction']:.2f} | {tps} | {kv} |")
-    (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = write_table_and_pyplot(lines, out_dir / "compare.md")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy in sorted({policy_label(s) for s in summaries if s["budget"]}):
@@ -484,8 +493,9 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
 
     engines = [Engine(llm.model, compile=llm.engine.compile) for _ in range(len(runs) + 1)]
     steps = [engines[0].score_steps(prompts, conts, None, "full", batch_size, on_dists=keep)]
-    steps += [e.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule), batch_size,
-                            rule, on_dists=compare(r)) for r, (e, (policy, budget, rule)) in enumerate(zip(engines[1:], runs))]
+    for r, (engine, (policy, budget, rule)) in enumerate(zip(engines[1:], runs)):
+        steps.append(engine.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule),
+                                        batch_size, rule, on_dists=compare(r)))
     results, syncs = [None] * len(steps), 0
     while any(r is None for r in results):
         for i, s in enumerate(steps):  # the full cache first: its block is there when the runs compare theirs
@@ -552,13 +562,8 @@ def write_fidelity_table(summaries: list[dict], out_dir: Path):
         lines.append(f"| {policy_label(s)} | {s['budget']} | {s['nll_increase']:+.3f} ± {s['nll_increase_err']:.3f} | "
                      f"{100 * s['top1']:.1f}% ± {100 * s['top1_err']:.1f} | {s['kl']:.3f} ± {s['kl_err']:.3f} | "
                      f"{s['first_divergence']:.0f} | {100 * s['equal_share']:.0f}% |")
-    (out_dir / "fidelity.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = write_table_and_pyplot(lines, out_dir / "fidelity.md")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for policy in sorted({policy_label(s) for s in summaries}):
