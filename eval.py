@@ -571,12 +571,15 @@ def write_fidelity_table(summaries: list[dict], out_dir: Path):
                      if policy_label(s) == policy)
         budgets, nll, err = zip(*pts)
         ax.errorbar(budgets, nll, yerr=err, marker="o", capsize=3, label=policy)
+    budgets = sorted({s["budget"] for s in summaries})
     ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_yscale("symlog", linthresh=0.01)  # linear near 0, logarithmic above: +0.002 and +6 on one axis
+    ax.set_ylim(bottom=0)
     ax.set(xlabel="KV budget (slots)", ylabel="NLL increase over the full cache (nats/token)",
            title="fidelity to the full cache, teacher-forced")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(out_dir / "fidelity.png", dpi=120, bbox_inches="tight")
 
 
