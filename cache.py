@@ -18,6 +18,9 @@ import kernel
 
 SNAPKV_WINDOW = 32  # prompt compression keeps the last 32 prompt tokens and ranks the rest by their attention
 SNAPKV_POOL = 5
+# R-KV (Zefan-Cai/R-KV, rkv/compression/r1_kv.py and rkv/utils.py): importance from the last 8 queries,
+# max-pooled over 7 neighbouring tokens; the paper's mixing weight lambda = 0.1 (the code defaults to 0.07)
+RKV_QUERIES, RKV_POOL, RKV_LAMBDA = 8, 7, 0.1
 PROMPT_RULES = ("snapkv", "streaming", "decode")
 
 
@@ -26,7 +29,7 @@ class Policy:
     """How a full cache picks the slot the next token overwrites. Every rule is one argmin per step over
     a per-slot score; empty slots always come first and protected slots never."""
     rule: str  # "kernel": scored inside the attention kernel; "fill": never evicts (a full-size cache);
-    #            "oldest", "random", "knorm": plain PyTorch over the slots' positions or key norms
+    #            "oldest", "random", "knorm", "keydiff", "rkv": plain PyTorch over the slots (rule_score)
     per_head: bool = False  # one decision per KV head (mean over its query group), not per layer
     value_norm: bool = True  # kernel rules: score alpha * ||v||_1 (LongFlow) or alpha alone (TOVA)
     accumulate: bool = False  # kernel rules: rank by the score summed over all steps so far (H2O, VATP)
@@ -39,8 +42,20 @@ class Policy:
         return self.rule == "kernel" and self.value_norm
 
     @property
-    def keeps_score(self) -> bool:  # a per-slot history: accumulated scores (h2o, vatp) or key norms (knorm)
-        return self.accumulate or self.rule == "knorm"
+    def keeps_key_norm(self) -> bool:  # ||k_i||_2 per slot, in `score` (knorm ranks by it; keydiff, rkv divide by it)
+        return self.rule in ("knorm", "keydiff", "rkv")
+
+    @property
+    def keeps_score(self) -> bool:  # a per-slot value: accumulated scores (h2o, vatp) or key norms
+        return self.accumulate or self.keeps_key_norm
+
+    @property
+    def keeps_key_sum(self) -> bool:  # the sum of the held keys' unit vectors, per KV head (keydiff, rkv)
+        return self.rule in ("keydiff", "rkv")
+
+    @property
+    def keeps_queries(self) -> bool:  # the last RKV_QUERIES queries (rkv's importance)
+        return self.rule == "rkv"
 
 
 POLICIES = {
@@ -50,17 +65,24 @@ POLICIES = {
     "longflow-head": Policy("kernel", per_head=True),
     # TOVA (Oren et al. 2024): the current query's attention averaged over the heads of the layer
     "tova": Policy("kernel", value_norm=False),
-    # H2O (Zhang et al. 2023): attention accumulated over every step, per head; half the budget recent
+    # H2O (Zhang et al. 2023): attention accumulated over every query so far, per head: from the column sums
+    # of the prompt's attention (prefill), then each step's; half the budget recent
     "h2o": Policy("kernel", per_head=True, value_norm=False, accumulate=True, window_share=0.5),
-    # VATP (Guo et al. 2024): H2O's accumulated attention times ||v_i||_1; the first 20 tokens are sinks,
-    # half of the rest recent
+    # VATP (Guo et al. 2024): H2O's accumulated attention, each query's alpha times ||v_i||_1; the first 20
+    # tokens are sinks, half of the rest recent
     "vatp": Policy("kernel", per_head=True, accumulate=True, n_sink=20, window_share=0.5),
     # StreamingLLM (Xiao et al. 2024): 4 attention sinks and the most recent tokens
     "streaming": Policy("oldest", n_sink=4),
-    # sanity baselines: a fixed pseudo-random slot (a hash of position and layer); the largest key norm
-    # (Devoto et al. 2024 keep the keys of low norm)
-    "random": Policy("random"),
-    "knorm": Policy("knorm"),
+    # KeyDiff (Park et al. 2025, as kvpress implements it): per KV head, the key most cosine-similar to the
+    # mean of the held keys' unit vectors goes
+    "keydiff": Policy("keydiff", per_head=True),
+    # R-KV (Cai et al. 2025), one eviction per step (see rkv_score): lambda * importance - (1 - lambda) *
+    # redundancy, per KV head; the last 8 tokens stay
+    "rkv": Policy("rkv", per_head=True, window=8),
+    # sanity baselines as kvpress publishes them, per KV head: a fresh pseudo-random draw every step (a hash
+    # of position, layer, head and step); the largest key norm (Devoto et al. 2024 keep the keys of low norm)
+    "random": Policy("random", per_head=True),
+    "knorm": Policy("knorm", per_head=True),
 }
 
 
@@ -109,17 +131,76 @@ def hash32(x):
     return x ^ (x >> 16)
 
 
-def random_score(pos, layer):
-    """The `random` rule's eviction score: a hash of (position, layer), so runs repeat themselves."""
-    return hash32(pos.long() * 0x9E3779B1 + layer).float()
+def random_score(pos, layer, now):
+    """The `random` rule's eviction score: a hash of (position, layer, KV head, step), so every step draws
+    afresh (as kvpress draws new noise at every compression) and runs still repeat themselves. pos:
+    [B, H_kv, S]; now: [B] the newest position of each row (the step)."""
+    head = torch.arange(pos.shape[1], device=pos.device)[:, None]  # [H_kv, 1]
+    token = hash32(pos.long() * 0x9E3779B1 + layer * 0x85EBCA77 + head)
+    return (hash32(token + now.long()[:, None, None] * 0xC2B2AE3D) >> 8).float()  # 24 bits: exact in fp32
 
 
-def rule_score(rule: str, pos, key_norm, layer):
-    """The eviction score (lowest goes) of the rules that need no attention: the oldest position
-    (StreamingLLM), a fixed hash of (position, layer), or the largest key norm. pos, key_norm: [.., S]."""
-    if rule == "oldest":
-        return pos.float()
-    return random_score(pos, layer) if rule == "random" else -key_norm
+def unit(k):
+    """Keys as fp32 unit vectors: [..., D] -> [..., D] (a zero key stays zero)."""
+    return F.normalize(k.float(), dim=-1)
+
+
+def rule_score(p: "Policy", c: "Layer", now):
+    """The eviction score (lowest goes) of the rules scored in PyTorch, over the slots of c (a cache layer,
+    or a prompt seen as one): the oldest position (StreamingLLM); a fresh hash per step (random); the
+    largest key norm (knorm, the norms kept in c.score); the key most cosine-similar to the mean unit key
+    (keydiff: cos(k_i, sum_j k_j/|k_j|), c.key_sum holding that sum); R-KV's score. now: [B]. Returns
+    [B, H_kv, S]."""
+    if p.rule == "oldest":
+        return c.pos.float()
+    if p.rule == "random":
+        return random_score(c.pos, c.index, now)
+    if p.rule == "knorm":
+        return -c.score
+    if p.rule == "rkv":
+        return rkv_score(c, kernel.protected_mask(c.pos, p.n_sink, p.window))
+    return -cosine_to(c, F.normalize(c.key_sum, dim=-1))  # keydiff: -cos(k_i, anchor)
+
+
+def cosine_to(c: "Layer", direction):
+    """k_i . direction / ||k_i|| for every slot [B, H_kv, S], direction [B, H_kv, D]: one pass over the keys in
+    their own dtype (a matrix-vector product), divided by the key norms kept in c.score (an empty slot's
+    zero key gives 0)."""
+    dots = (c.k @ direction.to(c.k.dtype)[..., None])[..., 0].float()
+    return dots / c.score.clamp(min=1e-30)
+
+
+def rkv_score(c: "Layer", protected):
+    """R-KV's score, lambda * importance - (1 - lambda) * redundancy, per KV head, over the slots that are
+    held and not protected (the others get 0; the caller masks them):
+      importance_i = mean over the last RKV_QUERIES queries of softmax_i(max over the KV head's query group
+                     of q . k_i / sqrt(D)), then the maximum over RKV_POOL neighbours in position order;
+      redundancy_i = softmax_i(mean over the other held keys j of cos(k_i, k_j)), the mean taken from the
+                     running sum of unit keys (c.key_sum): (k_i/|k_i| . sum_j k_j/|k_j| - 1) / (n - 1).
+    The reference computes the whole n x n cosine matrix every 128 steps and, for each token, leaves out
+    its most recent partner above 0.5 similarity; one eviction per step cannot afford the matrix, so that
+    exemption is left out. c.queries: [B, H_q, W, D]; protected: [B, H_kv, S]."""
+    B, H, S, D = c.k.shape
+    W = c.queries.shape[2]
+    scored = (c.pos >= 0) & ~protected  # [B, H_kv, S]
+    # the logits in the model's dtype, as the reference computes them, then the maximum over the query group
+    q = c.queries.view(B, H, -1, D)  # [B, H_kv, G * W, D]
+    logits = (q @ c.k.transpose(-1, -2)).view(B, H, -1, W, S).amax(2).float() / D ** 0.5  # [B, H_kv, W, S]
+    alpha = logits.masked_fill(~scored[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    importance = pool_in_position_order(alpha.mean(2), c.pos, RKV_POOL)  # [B, H_kv, S]
+    n = (c.pos >= 0).sum(-1, keepdim=True)  # [B, H_kv, 1]
+    cos = cosine_to(c, c.key_sum)  # [B, H_kv, S]: k_i/|k_i| . sum of unit keys
+    similarity = (cos - 1) / (n - 1).clamp(min=1)
+    redundancy = similarity.masked_fill(~scored, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return RKV_LAMBDA * importance - (1 - RKV_LAMBDA) * redundancy
+
+
+def pool_in_position_order(x, pos, size: int):
+    """The maximum of x over `size` neighbouring slots in the order of their positions (slots are not
+    stored in order; empty slots sort first and should hold 0). x, pos: [B, H, S]."""
+    order = pos.argsort(-1)
+    pooled = F.max_pool1d(x.gather(-1, order), size, stride=1, padding=size // 2)
+    return torch.empty_like(x).scatter_(-1, order, pooled)
 
 
 @dataclass
@@ -130,8 +211,10 @@ class Layer:
     v: torch.Tensor  # [B, H_kv, S, D]
     pos: torch.Tensor  # [B, H_kv, S] int32 position of the token in each slot, -1 = empty
     next_slot: torch.Tensor  # [B, H_kv] int64 where the next token goes
-    score: torch.Tensor  # [B, H_kv, S] fp32 history: accumulated scores (h2o, vatp) or key norms (knorm)
+    score: torch.Tensor  # [B, H_kv, S] fp32 accumulated scores (h2o, vatp) or key norms (knorm, keydiff, rkv)
     vnorm: torch.Tensor  # [B, H_kv, S] fp32 ||v||_1 of each slot, for the rules that score with it
+    key_sum: torch.Tensor  # [B, H_kv, D] fp32 sum of the held keys' unit vectors (keydiff, rkv)
+    queries: torch.Tensor  # [B, H_q, RKV_QUERIES, D] the last queries after RoPE, at column position % W (rkv)
     index: torch.Tensor  # [] int64 the layer number (the random rule hashes it)
 
 
@@ -147,12 +230,16 @@ class KVCache:
         # separate tensors per layer, not slices of [L, ...] tensors: the compiled step then updates each in
         # place, where a mutated slice of a larger input would be copied whole, every layer, every step
         shape = (batch, cfg.n_kv_heads, slots)
-        f32 = lambda used: torch.zeros(shape if used else (1, 1, 1), device=device)  # a stand-in when unused
+        f32 = lambda used, shape=shape: torch.zeros(shape if used else (1, 1, 1), device=device)  # stand-in if unused
+        p = self.policy
         return Layer(k=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
                      v=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
                      pos=torch.full(shape, -1, device=device, dtype=torch.int32),
                      next_slot=torch.zeros(shape[:2], device=device, dtype=torch.int64),
-                     score=f32(self.policy.keeps_score), vnorm=f32(self.policy.keeps_vnorm),
+                     score=f32(p.keeps_score), vnorm=f32(p.keeps_vnorm),
+                     key_sum=f32(p.keeps_key_sum, (batch, cfg.n_kv_heads, cfg.head_dim)),
+                     queries=torch.zeros((batch, cfg.n_heads, RKV_QUERIES, cfg.head_dim) if p.keeps_queries
+                                         else (1, 1, 1, 1), device=device, dtype=dtype),
                      index=torch.tensor(index, device=device))
 
     @staticmethod
@@ -161,7 +248,10 @@ class KVCache:
         the most any policy keeps, for sizing a batch)."""
         fp32_kept = 2 if policy is None else policy.keeps_vnorm + policy.keeps_score
         per_slot = 2 * cfg.head_dim * dtype.itemsize + 4 + 4 * fp32_kept
-        return cfg.n_layers * batch * cfg.n_kv_heads * slots * per_slot
+        per_row = 4 * cfg.head_dim if policy is None or policy.keeps_key_sum else 0  # key_sum, per KV head
+        queries = cfg.n_heads * RKV_QUERIES * cfg.head_dim * dtype.itemsize \
+            if policy is None or policy.keeps_queries else 0
+        return cfg.n_layers * batch * (cfg.n_kv_heads * (slots * per_slot + per_row) + queries)
 
     def reset(self):
         for layer in self.layers:
@@ -175,13 +265,20 @@ class KVCache:
         B, H, D = k.shape
         # (row, head, slot) index triples: index_put_ is what the compiler turns into an in-place store
         at = (torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :], c.next_slot)
+        if p.keeps_key_sum:  # the running sum of unit keys: the evicted key's leaves, the new one's comes
+            held = (c.pos[at] >= 0)[..., None]  # [B, H_kv, 1]
+            c.key_sum.add_(unit(k) - unit(c.k[at]) * held)
+        if p.keeps_queries:  # the ring of the last W queries, at column position % W
+            W = c.queries.shape[2]
+            c.queries.index_put_((at[0], torch.arange(q.shape[1], device=q.device)[None, :],
+                                  (positions % W)[:, None].expand(B, q.shape[1])), q)
         c.k.index_put_(at, k)
         c.v.index_put_(at, v)
         c.pos.index_put_(at, positions.int()[:, None].expand(B, H))
         if p.keeps_vnorm:  # computed once, here, so the kernel never reduces V tiles for it
             c.vnorm.index_put_(at, kernel.l1_norm(v))
-        if p.keeps_score:  # the new token's history starts now: its key norm (knorm), or nothing yet
-            fresh = k.float().norm(dim=-1) if p.rule == "knorm" else k.new_zeros(B, H, dtype=torch.float32)
+        if p.keeps_score:  # the new token's value starts now: its key norm, or nothing accumulated yet
+            fresh = k.float().norm(dim=-1) if p.keeps_key_norm else k.new_zeros(B, H, dtype=torch.float32)
             c.score.index_put_(at, fresh)
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
         # a cache that fills in order (full) reads only the slots filled so far
@@ -193,8 +290,8 @@ class KVCache:
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
             evict = (c.next_slot + 1).clamp(max=self.slots - 1)
-        elif p.rule != "kernel":  # the rules that need no attention pick in PyTorch (c.score: knorm's key norms)
-            evict = argmin_slot(rule_score(p.rule, c.pos, c.score, c.index), c.pos, p)
+        elif p.rule != "kernel":  # the rules that need no attention pick in PyTorch
+            evict = argmin_slot(rule_score(p, c, positions), c.pos, p)
         c.next_slot.copy_(evict)
         return out
 
@@ -204,50 +301,86 @@ class KVCache:
         rows: [R] the cache rows these prompts go to (the other rows are left as they are). Causal
         attention over the prompts, then their K/V into the slots, compressed if they do not fit."""
         out = prefill_attention(q, k, v, positions)
-        c, (R, H, T, D) = layer, k.shape
+        p, c, (R, H, T, D) = self.policy, layer, k.shape
+        if p.keeps_queries:  # the last prompt queries start the ring (at column position % W)
+            last, cols = last_queries(q, positions, c.queries.shape[2])  # [R, H_q, W, D], [R, W]
+            c.queries[rows] = 0  # a prompt shorter than W leaves columns empty; the last sequence's must go
+            c.queries[rows[:, None], :, cols] = last.transpose(1, 2)
         S = self.slots
+        # H2O / VATP: every prompt query's attention is already part of the accumulated score
+        seed = self.prompt_seed(q, k, v, positions) if p.accumulate else None  # [R, H_kv, T]
+        pos = positions[:, None].expand(R, H, T)  # [R, H_kv, T]
         if T >= S:  # keep S - 1 tokens per row; the last slot stays empty for the first new token
-            keep = self.prompt_keep(layer, q, k, v, positions, S - 1)  # [R, H_kv, S-1], into T
+            keep = self.prompt_keep(layer, q, k, v, pos, S - 1, seed)  # [R, H_kv, S-1], into T
             at = keep[..., None].expand(R, H, S - 1, D)
-            k, v = k.gather(2, at), v.gather(2, at)
-            positions = positions[:, None].expand(R, H, T).gather(2, keep)  # [R, H_kv, S-1]
+            k, v, pos = k.gather(2, at), v.gather(2, at), pos.gather(2, keep)
+            seed = seed.gather(2, keep) if seed is not None else None
             T = S - 1
         c.pos[rows] = -1  # a reused row forgets its previous sequence
         c.k[rows, :, :T] = k
         c.v[rows, :, :T] = v
-        c.pos[rows, :, :T] = positions.int().view(R, -1, T).expand(R, H, T)
-        if self.policy.accumulate:  # scores accumulate from the first decode step on
+        c.pos[rows, :, :T] = pos.int()
+        if p.accumulate:
             c.score[rows] = 0.0
-        if self.policy.rule == "knorm":
+            c.score[rows, :, :T] = seed
+        if p.keeps_key_norm:
             c.score[rows, :, :T] = k.float().norm(dim=-1)
-        if self.policy.keeps_vnorm:
+        if p.keeps_vnorm:
             c.vnorm[rows, :, :T] = kernel.l1_norm(v)
+        if p.keeps_key_sum:
+            c.key_sum[rows] = (unit(k) * (pos >= 0)[..., None]).sum(2)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
         c.next_slot[rows] = (c.pos[rows] >= 0).sum(-1)
         return out
 
-    def prompt_keep(self, layer: Layer, q, k, v, positions, n_keep: int):
+    def prompt_seed(self, q, k, v, positions):
+        """The accumulated score of each prompt token after the prompt: the attention every prompt query
+        gave it (column sums of the causal softmax, H2O's prefill score), per query head averaged as a decode
+        step averages alpha (over the KV head's query group, or the whole layer), times ||v||_1 for VATP.
+        Returns [R, H_kv, T] fp32."""
+        p, (R, H, T, _) = self.policy, k.shape
+        cols = attention_column_sums(q, k, positions)  # [R, H_q, T]
+        cols = cols.view(R, H, -1, T).mean(2) if p.per_head else cols.mean(1, keepdim=True).expand(R, H, T)
+        return cols * kernel.l1_norm(v) if p.value_norm else cols
+
+    def prompt_keep(self, layer: Layer, q, k, v, pos, n_keep: int, seed=None):
         """The prompt tokens that stay when a prompt does not fit: SnapKV (default), StreamingLLM's first
-        4 + most recent, or the policy's own decode rule scored for the last prompt query. The policy's
-        sinks and recent window stay whatever the rule. Returns indices into T [R, H_kv, n_keep], sorted,
-        real tokens before padding."""
+        4 + most recent, or the policy's own decode rule (for the kernel rules: the last prompt query's score,
+        or the accumulated seed of H2O / VATP; for the others, rule_score over the prompt as if it were the
+        cache). The policy's sinks and recent window stay whatever the rule. pos: [R, H_kv, T]. Returns
+        indices into T [R, H_kv, n_keep], sorted, real tokens before padding."""
         p, R, H, T = self.policy, *k.shape[:3]
-        pos = positions[:, None].expand(R, H, T)  # [R, H_kv, T]
         if self.prompt_rule == "streaming":
             sinks = max(p.n_sink, 4)
             return top_tokens(torch.where(pos < sinks, pos.max() + 1, pos).float(), pos, n_keep)
         if self.prompt_rule == "snapkv":
-            score = snapkv_score(q, k, positions, p.per_head)
-        elif p.rule == "kernel":  # the decode score of the last real query, which the reference adds into acc
-            last = q[torch.arange(R), :, (positions >= 0).sum(1) - 1]  # [R, H_q, D]
+            score = snapkv_score(q, k, pos[:, 0], p.per_head)
+        elif seed is not None:
+            score = seed
+        elif p.rule == "kernel":  # the decode score of the last real query
+            last = q[torch.arange(R), :, (pos[:, 0] >= 0).sum(1) - 1]  # [R, H_q, D]
             score = q.new_zeros(R, H, T, dtype=torch.float32)
             kernel.decode_attention_ref(last, k, v, pos, per_head=p.per_head, value_norm=p.value_norm, acc=score)
-        else:
-            # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
-            score = rule_score(p.rule, pos, k.float().norm(dim=-1), layer.index)
+        else:  # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
+            prompt = replace(layer, k=k, v=v, pos=pos, score=k.float().norm(dim=-1))
+            if p.keeps_key_sum:
+                prompt.key_sum = (unit(k) * (pos >= 0)[..., None]).sum(2)
+            if p.keeps_queries:
+                prompt.queries = last_queries(q, pos[:, 0])[0]
+            score = rule_score(p, prompt, pos.amax((1, 2)))
             score = score if p.per_head else score.mean(1, keepdim=True).expand(R, H, T)
         protected = kernel.protected_mask(pos, p.n_sink, p.window)
         return top_tokens(score.masked_fill(protected, float("inf")), pos, n_keep)
+
+
+def last_queries(q, positions, n: int = RKV_QUERIES):
+    """The queries of the last n real prompt tokens [R, H_q, n, D] and the ring columns they go to,
+    position % n [R, n] (a prompt shorter than n gives its first query several times, into column 0).
+    q: [R, H_q, T, D]; positions: [R, T]."""
+    R, Hq, T, D = q.shape
+    lengths = (positions >= 0).sum(1, keepdim=True)  # [R, 1]
+    idx = (lengths - n + torch.arange(n, device=q.device)).clamp(min=0)  # [R, n] into T
+    return q.gather(2, idx[:, None, :, None].expand(R, Hq, n, D)), positions.gather(1, idx) % n
 
 
 def prefill_attention(q, k, v, positions, chunk: int = 1024):
@@ -266,6 +399,27 @@ def prefill_attention(q, k, v, positions, chunk: int = 1024):
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                                    attn_mask=mask))
     return torch.cat(outs, dim=2)
+
+
+def attention_column_sums(q, k, positions, budget_bytes: int = 2**28):
+    """The causal softmax attention of every real prompt query, summed over the queries: [B, H_q, T] fp32
+    (padding queries count for nothing, padding keys get nothing). The logits in the model's dtype, as H2O's
+    reference computes them, the softmax in fp32. Queries go in chunks so that one chunk's fp32 scores
+    (logits, then weights, in place) stay within budget_bytes; the prompt's output comes from
+    prefill_attention. q: [B, H_q, T, D]; k: [B, H_kv, T, D]; positions: [B, T]."""
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    q = q.view(B, H, Hq // H, T, D)  # each KV head's query group, so K is never repeated per query head
+    eff = torch.where(positions < 0, torch.iinfo(positions.dtype).max, positions)  # padding: after everything
+    chunk = max(1, budget_bytes // (2 * 4 * B * Hq * T))  # two fp32 [B, H_q, chunk, T] at a time
+    cols = q.new_zeros(B, H, Hq // H, T, dtype=torch.float32)
+    for start in range(0, T, chunk):
+        part = slice(start, start + chunk)
+        logits = (q[:, :, :, part] @ k[:, :, None].transpose(-1, -2)).float() / D ** 0.5  # [B, H_kv, G, C, T]
+        visible = eff[:, None, None, None, :] <= eff[:, None, None, part, None]  # [B, 1, 1, C, T]
+        alpha = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
+        cols += alpha.mul_(positions[:, None, None, part, None] >= 0).sum(3)
+    return cols.view(B, Hq, T)
 
 
 def snapkv_score(q, k, positions, per_head: bool):

@@ -5,7 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cache import POLICIES, SNAPKV_WINDOW, KVCache, hash32, resolve_policy, snapkv_score, top_tokens
+import torch.nn.functional as F
+
+from cache import (POLICIES, SNAPKV_WINDOW, KVCache, attention_column_sums, random_score, resolve_policy,
+                   snapkv_score, top_tokens)
 from generate import Engine
 from model import load
 
@@ -184,8 +187,8 @@ def test_long_bf16_run_on_the_gpu_keeps_the_budget_and_stays_finite(checkpoints)
 
 
 # ---- the policy family: each rule's choice on inputs where the right answer is obvious ---------------
-class Tiny:  # the config fields a cache needs: one layer, 2 KV heads of 4 dims
-    n_layers, n_kv_heads, head_dim = 1, 2, 4
+class Tiny:  # the config fields a cache needs: one layer, 2 KV heads of 4 dims (and 2 query heads)
+    n_layers, n_heads, n_kv_heads, head_dim = 1, 2, 2, 4
 
 
 def full_cache(policy, S=8, n_q=2):
@@ -214,11 +217,27 @@ def test_streaming_evicts_the_oldest_token_after_the_four_sinks():
     assert step(cache, *args) == [4, 4]
 
 
-def test_knorm_evicts_the_largest_key_norm():
+def test_knorm_evicts_the_largest_key_norm_of_each_kv_head():
     cache, *args = full_cache("knorm")
-    cache.layers[0].k[0, :, 2] = 3.0  # slot 2 has the largest key in both heads
+    cache.layers[0].k[0, 0, 2] = 3.0  # the largest key of head 0 is in slot 2, of head 1 in slot 5
+    cache.layers[0].k[0, 1, 5] = 3.0
     cache.layers[0].score[0] = cache.layers[0].k[0].norm(dim=-1)  # norms are recorded when keys are written
-    assert step(cache, *args) == [2, 2]
+    assert step(cache, *args) == [2, 5]
+
+
+def test_keydiff_evicts_the_key_closest_to_the_mean_unit_key():
+    """Keys along e0, e1, e2, e3, e0, e1 and one along (1, 1, 1, 1) in slot 6; the new token's key is e2.
+    The mean of the unit keys points most nearly along (1, 1, 1, 1): slot 6 is the most redundant."""
+    cache, q, k, v, positions = full_cache("keydiff")
+    c = cache.layers[0]
+    eye = torch.eye(4)
+    for slot, key in enumerate([eye[0], eye[1], eye[2], eye[3], eye[0], eye[1], torch.ones(4)]):
+        c.k[0, :, slot] = key
+    c.key_sum[:] = F.normalize(c.k[0], dim=-1).sum(1)  # slot 7's key is zero: its unit vector counts for nothing
+    c.score[:] = c.k.norm(dim=-1)  # key norms are recorded when keys are written
+    k[:] = eye[2]
+    assert step(cache, q, k, v, positions) == [6, 6]
+    assert torch.allclose(c.key_sum[0], F.normalize(c.k[0], dim=-1).sum(1))  # the new key in, slot 7's out
 
 
 def test_longflow_evicts_a_zero_value_that_tova_keeps():
@@ -251,16 +270,98 @@ def test_vatp_never_evicts_its_twenty_sinks():
     assert step(cache, q, k, v, positions) == [20, 20]  # the first non-sink of equal score
 
 
-def test_random_is_a_seeded_hash_of_the_position():
+def test_rkv_evicts_the_most_redundant_key_when_attention_is_even():
+    """No query prefers any key (the queries are zero): importance is even, and of keys along e0, e1, e2,
+    e3, e0, e1, e2, e3, e0 the three copies of e0 are the most redundant; the lowest of them goes. The 8
+    newest positions (the window) are never evicted."""
+    cache, q, k, v, positions = full_cache("rkv", S=16)
+    c, eye = cache.layers[0], torch.eye(4)
+    for slot in range(9):
+        c.k[0, :, slot] = eye[slot % 4]
+    c.k[0, :, 9:] = 0.0  # the window's keys count for nothing in the sum of unit keys
+    c.key_sum[:] = F.normalize(c.k[0], dim=-1).sum(1)
+    c.score[:] = c.k.norm(dim=-1)
+    assert step(cache, q, k, v, positions) == [0, 0]
+
+
+def test_rkv_evicts_the_least_attended_neighbourhood_when_keys_are_alike():
+    """Keys along one direction (all equally redundant) with lengths falling from slot 0 to slot 8: the
+    last queries attend most to the longest. After max-pooling over 7 neighbours in position order, slot
+    8's neighbourhood is the least attended."""
+    cache, q, k, v, positions = full_cache("rkv", S=16)
+    c = cache.layers[0]
+    for slot in range(16):
+        c.k[0, :, slot, 0] = 3.0 - 0.3 * slot
+    c.key_sum[:] = F.normalize(c.k[0], dim=-1).sum(1)
+    c.score[:] = c.k.norm(dim=-1)
+    c.queries[:] = 0.0
+    c.queries[..., 0] = 1.0
+    q[..., 0] = 1.0
+    assert step(cache, q, k, v, positions) == [8, 8]
+    assert (c.queries[0, :, 16 % 8] == q[0]).all()  # the new query went into the ring at position % 8
+
+
+def test_rkv_score_matches_its_formula_with_the_whole_cosine_matrix():
+    """rkv_score takes the mean similarity from the running sum of unit keys; here it is computed from the
+    n x n cosine matrix (diagonal left out), and importance from the queries directly."""
+    from cache import RKV_LAMBDA, RKV_POOL, rkv_score
+    torch.manual_seed(0)
+    cache = KVCache(Tiny, 1, 20, "cpu", torch.float32, resolve_policy("rkv", 40))
+    c = cache.layers[0]
+    c.k.normal_()
+    c.queries.normal_()
+    c.pos[:] = torch.randperm(20, dtype=torch.int32)  # positions in no particular slot order
+    c.pos[0, :, 4] = -1  # an empty slot
+    held = c.pos[0, 0] >= 0
+    c.key_sum[:] = (F.normalize(c.k[0], dim=-1) * held[:, None]).sum(1)
+    c.score[:] = c.k.norm(dim=-1)
+    protected = (c.pos >= 12)  # some slots protected
+    got = rkv_score(c, protected)[0]  # [H_kv, S]
+    scored = held & ~protected[0, 0]
+    for h in range(2):
+        keys = c.k[0, h]
+        unitk = F.normalize(keys, dim=-1)
+        cos = unitk @ unitk.T
+        cos.fill_diagonal_(0)
+        similarity = (cos * held).sum(1) / (held.sum() - 1)
+        redundancy = torch.zeros(20)
+        redundancy[scored] = similarity[scored].softmax(0)
+        logits = c.queries[0, h:h + 1] @ keys.T / 2  # [1 query head per KV head, W, S]; sqrt(4) = 2
+        alpha = torch.zeros(8, 20)
+        alpha[:, scored] = logits[0][:, scored].softmax(-1)
+        attention = alpha.mean(0)
+        order = c.pos[0, h].argsort()
+        pooled = torch.zeros(20)
+        pooled[order] = F.max_pool1d(attention[order][None], RKV_POOL, 1, RKV_POOL // 2)[0]
+        want = RKV_LAMBDA * pooled - (1 - RKV_LAMBDA) * redundancy
+        assert torch.allclose(got[h][scored], want[scored], atol=1e-6), h
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "rkv"])
+def test_running_sum_of_unit_keys_stays_the_sum_over_the_held_keys(qwen3, policy):
+    """Added when a key is written, subtracted when it is evicted, over prefill, compression, refilled rows and
+    60 steps of eviction: it must still be the sum of the unit keys the slots hold (fp32 rounding only)."""
+    model, tok = qwen3
+    engine = Engine(model, compile=False)
+    prompts = prompts_of(tok) + [list(range(1, 60))]  # the last one is compressed
+    engine.generate(prompts, 60, [], budget=41, policy=policy, batch_size=2)
+    for c in engine.cache.layers:
+        held = (c.pos >= 0)[..., None]
+        assert torch.allclose(c.key_sum, (F.normalize(c.k.float(), dim=-1) * held).sum(2), atol=1e-4)
+
+
+def test_random_draws_afresh_every_step_and_per_kv_head():
+    """kvpress draws new noise at every compression: a hash of (position, layer, head, step) does the same
+    deterministically, so the survivors are not simply the tokens with the highest fixed hash."""
     cache, *args = full_cache("random")
-    pos = torch.arange(8)
-    pos[7] = 8  # the new token took slot 7
-    want = hash32(pos.long() * 0x9E3779B1 + 0).float().argmin().item()
-    assert step(cache, *args) == [want, want]
+    pos = torch.arange(8).expand(1, 2, 8).clone()
+    pos[..., 7] = 8  # the new token took slot 7
+    assert step(cache, *args) == random_score(pos, 0, torch.tensor([8])).argmin(-1)[0].tolist()
+    picks = [tuple(random_score(pos, 0, torch.tensor([t])).argmin(-1)[0].tolist()) for t in range(8, 40)]
+    assert len(set(picks)) > 8 and any(a != b for a, b in picks)
 
 
-@pytest.mark.parametrize("policy", ["longflow", "longflow-head", "tova", "h2o", "vatp", "streaming", "random",
-                                    "knorm"])
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "full"])
 def test_every_policy_keeps_the_budget_and_repeats_itself(qwen3, policy):
     model, tok = qwen3
     engine = Engine(model, compile=False)
@@ -298,14 +399,67 @@ def test_compiled_decode_writes_the_cache_in_place():
 def test_prompt_compression_by_a_rule_keeps_what_decoding_with_it_would_keep(qwen3):
     """--prompt-compression decode with the random rule keeps the highest hashes (decoding evicts the
     lowest); --prompt-compression streaming keeps the policy's own sinks when it has more than 4."""
-    from cache import random_score
     model, _ = qwen3
     prompt = torch.randint(0, 300, (1, 90))
     for policy, rule, n_sink in (("random", "decode", 0), ("longflow", "streaming", 7)):
         cache = KVCache(model.cfg, 1, 40, "cpu", torch.float32, resolve_policy(policy, 40, n_sink=n_sink), rule)
         model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
         kept = set(cache.layers[0].pos[0, 0, :39].tolist())
-        if policy == "random":
-            assert kept == set(random_score(torch.arange(90), 0).topk(39).indices.tolist())
+        if policy == "random":  # per KV head, the step of the last prompt token
+            score = random_score(torch.arange(90).expand(1, model.cfg.n_kv_heads, 90), 0, torch.tensor([89]))
+            for h in range(model.cfg.n_kv_heads):
+                kept = set(cache.layers[0].pos[0, h, :39].tolist())
+                assert kept == set(score[0, h].topk(39).indices.tolist())
         else:
             assert kept == set(range(7)) | set(range(90 - 32, 90))
+
+
+def naive_column_sums(q, k, n):
+    """The causal softmax of the first n queries over the first n keys, summed over the queries: [H_q, n]."""
+    G = q.shape[0] // k.shape[0]
+    logits = q[:, :n] @ k.repeat_interleave(G, 0)[:, :n].transpose(1, 2) / q.shape[-1] ** 0.5  # [H_q, n, n]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return logits.masked_fill(~causal, float("-inf")).softmax(-1).sum(1)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "vatp"])
+def test_h2o_and_vatp_start_from_the_prompts_attention_column_sums(policy):
+    """H2O's reference seeds each prompt token's score with the attention all prompt queries gave it
+    (per head; here averaged over each KV head's query group, as a decode step averages alpha); VATP times
+    ||v||_1. The second prompt is shorter: its padding must neither attend nor be attended."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 12, 4), torch.randn(2, 2, 12, 4), torch.randn(2, 2, 12, 4)
+    positions = torch.arange(12).repeat(2, 1)
+    positions[1, 9:] = -1
+    cache = KVCache(Tiny, 2, 64, "cpu", torch.float32, resolve_policy(policy, 64))
+    cache.prefill(cache.layers[0], q, k, v, positions, torch.arange(2))
+    for row, n in ((0, 12), (1, 9)):
+        want = naive_column_sums(q[row], k[row], n).view(2, 2, n).mean(1)  # [H_kv, n]
+        if policy == "vatp":
+            want = want * v[row, :, :n].abs().sum(-1)
+        # fp32 sums of the same terms in another order: equal to rounding
+        assert torch.allclose(cache.layers[0].score[row, :, :n], want, atol=1e-6)
+        assert (cache.layers[0].score[row, :, n:] == 0).all()
+
+
+def test_column_sums_do_not_depend_on_the_query_chunk():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 50, 8), torch.randn(1, 2, 50, 8)
+    positions = torch.arange(50)[None]
+    whole = attention_column_sums(q, k, positions)
+    assert torch.allclose(attention_column_sums(q, k, positions, budget_bytes=4 * 4 * 50 * 7), whole, atol=1e-5)
+    assert torch.allclose(whole[0], naive_column_sums(q[0], k[0], 50), atol=1e-5)
+
+
+def test_h2o_compresses_a_long_prompt_by_its_accumulated_score(qwen3):
+    """With --prompt-compression decode, H2O keeps its recent window and, of the rest, the tokens the prompt
+    attended most (the reference's prefill selection)."""
+    model, _ = qwen3
+    cache = KVCache(model.cfg, 1, 60, "cpu", torch.float32, resolve_policy("h2o", 60), "decode")
+    prompt = torch.randint(0, 300, (1, 90))
+    model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
+    c, window = cache.layers[0], cache.policy.window
+    assert set(range(90 - window, 90)) <= set(c.pos[0, 0].tolist())
+    kept = c.pos[0, 0, :59]
+    assert kept.tolist() == sorted(kept.tolist())  # prompt order
+    assert (c.score[0, :, :59] > 0).all()  # seeded, not zero
