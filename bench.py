@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import kernel
-from cache import KVCache
-from generate import Engine, Sampling, State, Stepper, batch_that_fits, pick_device, sync_time
+from cache import KVCache, unit
+from eval import ProgressBar  # the live bar of eval.py (tqdm, when installed)
+from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
 from model import Config, empty_model, load
 
 SHAPES = {
@@ -155,7 +156,8 @@ class StepTimer:
         self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, policy)
         self.state = State.empty(batch, self.device)
         t = time.perf_counter()
-        self.stepper = Stepper(model, self.cache, self.state, Sampling(), compile)
+        sampler = Sampler.empty(batch, model.cfg.vocab_size, self.device)  # greedy rows, as the step runs any
+        self.stepper = Stepper(model, self.cache, self.state, sampler, compile)
         self.compile_s = time.perf_counter() - t
 
     def seconds_per_step(self, filled: int, steps: int = 20) -> float:
@@ -198,6 +200,12 @@ def fill_cache(cache: KVCache, filled: int):
         layer.v.normal_()
         if cache.policy.keeps_vnorm:
             layer.vnorm.copy_(kernel.l1_norm(layer.v))
+        if cache.policy.keeps_key_sum:
+            layer.key_sum.copy_(unit(layer.k[:, :, :filled]).sum(2))
+        if cache.policy.keeps_queries:
+            layer.queries.normal_()
+        if cache.policy.keeps_key_norm:
+            layer.score.copy_(layer.k.float().norm(dim=-1))
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
         layer.next_slot.fill_(min(filled, cache.slots - 1))
@@ -276,12 +284,27 @@ def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
     engine = Engine(model, compile=args.compile)
     seen = []  # (GPU memory, graphs compiled so far) at every host sync of the run, from the first token on
     memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
-    record = lambda _: seen.append((memory(), counters["stats"]["unique_graphs"]))
-    _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0,
-                            batch_size=B, on_tokens=record)
+    with TokenBar(n, f"validate {policy}, batch {B}") as bar:
+        def record(out):
+            seen.append((memory(), counters["stats"]["unique_graphs"]))
+            bar(out)
+        _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0,
+                                batch_size=B, on_tokens=record)
     assert len(set(seen)) == 1, f"memory grew or something compiled while decoding: {seen}"
     steps = -(-(n - 1) // engine.sync_every) * engine.sync_every  # the engine steps in whole sync chunks
     return dict(validate_tokens=n, predicted_ms_per_step=predicted * 1e3, real_ms_per_step=st.decode_s / steps * 1e3)
+
+
+class TokenBar(ProgressBar):
+    """A live bar over the new tokens of a run, fed by the engine's on_tokens (the first prompt's output)."""
+
+    def __init__(self, total: int, name: str):
+        super().__init__(total, name, unit="tok")
+        self.done = 0
+
+    def __call__(self, out: list[int]):
+        self.update(len(out) - self.done)
+        self.done = len(out)
 
 
 def run_mean(values: list[float]) -> float:
@@ -301,7 +324,8 @@ def bench_generate(args, bw, model):
         for B in args.batch or [1]:
             prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
             budget = args.budget if policy != "full" else None
-            outs, st = engine.generate(prompts, args.new_tokens, [], budget, policy, seed=0)
+            with TokenBar(args.new_tokens, f"{policy}, batch {B}") as bar:
+                outs, st = engine.generate(prompts, args.new_tokens, [], budget, policy, seed=0, on_tokens=bar)
             assert all(len(o) == args.new_tokens for o in outs)
             rows.append(dict(workload="generate", policy=policy, batch=B, new_tokens=args.new_tokens,
                              compile_s=st.setup_s, prefill_s=st.prefill_s,

@@ -32,30 +32,58 @@ def uniform_noise(seeds, positions, vocab: int):
     return ((x >> 8).float() + 0.5) / 2**24  # top 24 bits: exact in fp32, never 0 or 1
 
 
-def sample(logits, seeds, positions, temperature: float, top_k: int, top_p: float):
-    """logits: [B, V] fp32; positions: [B], the positions of the tokens being sampled. Returns [B]."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token once the more likely tokens before it already cover top_p
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
+def apply_penalty(logits, seen, penalty):
+    """transformers' repetition_penalty: the logit of every token id already in the prompt or the output is
+    divided by the penalty when positive, multiplied by it when negative. logits: [B, V] fp32; seen: [B, V]
+    bool; penalty: [B] (1: none)."""
+    p = penalty[:, None]
+    return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+def sample(logits, seeds, positions, temperature, top_k, top_p):
+    """One token per row from logits [B, V] fp32, each row with its own settings: temperature [B] fp32 (0:
+    greedy, the argmax exactly), top_k [B] int64 (0: no limit), top_p [B] fp32. positions: [B], the
+    positions of the tokens being sampled. Returns [B]. Settings are values, not branches, so one compiled
+    step serves every mix of them (at the price of one sort of the vocabulary per row and step)."""
+    V = logits.shape[-1]
+    hot = temperature > 0
+    scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
+    ordered = scaled.sort(-1, descending=True).values  # [B, V]
+    # top-k: the tokens below the k-th largest logit go (ties with it stay, as in transformers)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None]  # [B, 1]
+    kept = ordered >= ordered.gather(1, k - 1)  # [B, V], in sorted order
+    # top-p: a token goes once the more likely tokens before it already cover top_p
+    probs = ordered.masked_fill(~kept, float("-inf")).softmax(-1)
+    kept &= (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1)  # fp32 sums reach 1 early
+    # both cut the sorted row: what stays is every logit down to the last kept one (ties with it too)
+    lowest = ordered.gather(1, kept.sum(-1, keepdim=True) - 1)  # [B, 1]
+    probs = scaled.masked_fill(scaled < lowest, float("-inf")).softmax(-1)
     # argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential-race trick)
-    return (probs / -uniform_noise(seeds, positions, logits.shape[-1]).log()).argmax(-1)
+    drawn = (probs / -uniform_noise(seeds, positions, V).log()).argmax(-1)
+    return torch.where(hot, drawn, logits.argmax(-1))
+
+
+# The decode step calls sample() as one opaque operator: its PyTorch kernels run as they are, inside the
+# CUDA graph like the rest of the step, instead of being fused by the compiler, whose code generation
+# (torch 2.11's inductor) fails on this function at batch 64 and above (InductorError in get_block_shape).
+@torch.library.custom_op("tinyflow::sample", mutates_args=())
+def sample_op(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
+              top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    return sample(logits, seeds, positions, temperature, top_k, top_p)
+
+
+@sample_op.register_fake
+def _(logits, seeds, positions, temperature, top_k, top_p):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
 @dataclass(frozen=True)
 class Sampling:
+    """One request's sampling settings (the decode step reads them per row from a Sampler)."""
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
+    repetition_penalty: float = 1.0  # 1: none
 
     def __post_init__(self):
         number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -65,13 +93,55 @@ class Sampling:
                 and is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 and "
                              f"0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
+        if not (number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition penalty must be a number > 0 (1: none), got {self.repetition_penalty!r}")
 
     @classmethod
-    def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None) -> "Sampling":
+    def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None,
+                      repetition_penalty=None) -> "Sampling":
         """The given settings, and the model's generation_config.json defaults for those left None."""
         pick = lambda value, name, default: defaults.get(name, default) if value is None else value
         return cls(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
-                   float(pick(top_p, "top_p", 1.0)))
+                   float(pick(top_p, "top_p", 1.0)), float(pick(repetition_penalty, "repetition_penalty", 1.0)))
+
+
+@dataclass
+class Sampler:
+    """What the decode step samples with, per row, in static device buffers: the settings of the request
+    each row serves and the token ids its penalty remembers. A new setting is a new value in these tensors,
+    never new code, and rows with different settings share one batch."""
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = no limit
+    top_p: torch.Tensor  # [B] fp32
+    penalty: torch.Tensor  # [B] fp32, 1 = none
+    seen: torch.Tensor  # [B, V] bool: the ids in the row's prompt and output so far
+
+    @classmethod
+    def empty(cls, batch: int, vocab: int, device):
+        f32 = lambda value: torch.full((batch,), value, dtype=torch.float32, device=device)
+        return cls(f32(0.0), torch.zeros(batch, dtype=torch.int64, device=device), f32(1.0), f32(1.0),
+                   torch.zeros(batch, vocab, dtype=torch.bool, device=device))
+
+    def start(self, rows, settings: list[Sampling], prompts: list[list[int]]):
+        """Rows `rows` [n] start serving these requests: their settings, and their prompts' ids seen."""
+        for name, attr in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+                           ("penalty", "repetition_penalty")):
+            buffer = getattr(self, name)
+            buffer[rows] = torch.tensor([getattr(s, attr) for s in settings], dtype=buffer.dtype, device=rows.device)
+        self.seen[rows] = False
+        for row, prompt in zip(rows.tolist(), prompts):
+            self.seen[row, torch.tensor(prompt, device=rows.device)] = True
+
+    def pick(self, logits, seeds, positions, rows=None, hot: bool = True):
+        """The next token of rows `rows` (default: all) from their logits [n, V]; marks it seen. hot=False
+        when no row samples: the argmax alone, without sample()'s sort of the vocabulary."""
+        at = slice(None) if rows is None else rows  # the decode step: every row, views rather than copies
+        logits = apply_penalty(logits, self.seen[at], self.penalty[at])
+        nxt = sample_op(logits, seeds, positions, self.temperature[at], self.top_k[at], self.top_p[at]) if hot \
+            else logits.argmax(-1)
+        rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
+        self.seen.index_put_((rows, nxt), torch.ones_like(nxt, dtype=torch.bool))
+        return nxt
 
 
 # ---- the decode step ---------------------------------------------------------------------------------
@@ -108,9 +178,14 @@ def push(state: State, nxt):
     state.count.add_(1)
 
 
-def advance(logits, state: State, s: Sampling):
+def advance(logits, state: State, sampler: Sampler):
     """Sample the next token from logits [B, V] and move the state on."""
-    push(state, sample(logits, state.seeds, state.positions + 1, s.temperature, s.top_k, s.top_p))
+    push(state, sampler.pick(logits, state.seeds, state.positions + 1))
+
+
+def advance_greedy(logits, state: State, sampler: Sampler):
+    """advance when no row samples: the argmax (after the penalty), without sorting the vocabulary."""
+    push(state, sampler.pick(logits, state.seeds, state.positions + 1, hot=False))
 
 
 @dataclass
@@ -158,12 +233,13 @@ class Stepper:
     """Runs the decode step: its layers and its sampling compiled (fullgraph, static shapes) and, on CUDA,
     the whole step captured as one CUDA graph and replayed. Compilation and capture happen here, on the
     empty cache, which is then emptied again (the warm-up steps wrote junk tokens that are simply marked
-    as empty slots)."""
+    as empty slots). Generation has two versions of the step, both made here: greedy rows only (the
+    argmax), and some rows sampling (a sort of the vocabulary per row); `hot` says which one runs."""
 
     def __init__(self, model, cache, state, mode, compile=True):
-        """mode: a Sampling (generate) or a Forcing (score): what decides the next token."""
+        """mode: a Sampler (generate) or a Forcing (score): what decides the next token."""
         self.model, self.cache, self.state, self.mode = model, cache, state, mode
-        # every batch shape, policy and sampling setting compiles its own code (a full cache's shape is the
+        # every batch shape and policy compiles its own code (a full cache's shape is the
         # longest prompt + max_new_tokens); dynamo keeps 8 versions of a function by default and, with
         # fullgraph, fails on the ninth. Replays never check the versions, so a long-lived Engine keeps many.
         cfg = torch._dynamo.config
@@ -173,32 +249,38 @@ class Stepper:
         options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
         compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if compile else fn
         self.run_block = compiled(run_block)
-        self.advance = compiled(advance_forced if isinstance(mode, Forcing) else advance)
-        self.graph = None
-        if state.tokens.is_cuda:
-            stream = torch.cuda.Stream()  # warm up (compile, autotune, allocate) off the capture stream
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.step()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.step()
-        else:
-            self.step()
+        # two functions, not one with a flag: each compiles once, so neither ever counts as a recompile
+        self.advance = {False: compiled(advance_forced)} if isinstance(mode, Forcing) else \
+            {False: compiled(advance_greedy), True: compiled(advance)}
+        self.graphs, self.hot = {}, False
+        for hot in self.advance:
+            if state.tokens.is_cuda:
+                stream = torch.cuda.Stream()  # warm up (compile, autotune, allocate) off the capture stream
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.step(hot)
+                torch.cuda.current_stream().wait_stream(stream)
+                self.graphs[hot] = torch.cuda.CUDAGraph()
+                # one memory pool for both versions: nothing a step allocates outlives it (all it keeps goes
+                # into the static buffers), and only one of them ever runs at a time
+                pool = self.graphs[False].pool() if hot else None
+                with torch.cuda.graph(self.graphs[hot], pool=pool):
+                    self.step(hot)
+            else:
+                self.step(hot)  # compiles it now, not in the middle of a generation
         cache.reset()
 
-    def step(self):
+    def step(self, hot: bool = False):
         st = self.state
         logits = self.model(st.tokens[:, None], st.positions[:, None], self.cache, run_block=self.run_block)
-        self.advance(logits[:, 0], st, self.mode)  # logits: [B, 1, V]
+        self.advance[hot](logits[:, 0], st, self.mode)  # logits: [B, 1, V]
 
     def __call__(self):
-        if self.graph is not None:
-            self.graph.replay()
+        if self.graphs:
+            self.graphs[self.hot].replay()
         else:
-            self.step()
+            self.step(self.hot)
 
 
 # ---- memory: what fits ----------------------------------------------------------------------------------
@@ -208,16 +290,18 @@ SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fra
 
 def bytes_per_row(cfg, slots: int, dtype, extra: int = 0) -> int:
     """GPU memory one more sequence costs: its KV slots, its share of the decode step's logits,
-    probabilities, noise and sort buffers (fp32/int64 over the vocabulary), and `extra` bytes."""
-    return KVCache.bytes_needed(cfg, 1, slots, dtype) + 24 * cfg.vocab_size + extra
+    probabilities, noise and sort buffers (fp32/int64 over the vocabulary: 40 bytes per id), the ids its
+    repetition penalty has seen (1 byte per id), and `extra` bytes."""
+    return KVCache.bytes_needed(cfg, 1, slots, dtype) + 41 * cfg.vocab_size + extra
 
 
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
     """Transient memory of prefilling `tokens` (padded) prompt tokens: activations, one layer's K/V expanded
-    to every query head, the SnapKV window's attention (fp32), and the MLP of one chunk of tokens."""
+    to every query head, the SnapKV window's attention (fp32), the MLP of one chunk of tokens, and the
+    fp32 scores of H2O / VATP's column sums (cache.attention_column_sums, within its budget)."""
     per_token = 4 * cfg.hidden_size + 6 * cfg.n_heads * cfg.head_dim
     mlp = min(tokens, MLP_TOKENS) * 3 * cfg.intermediate_size * dtype.itemsize
-    return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads) + mlp
+    return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads) + mlp + 2**28
 
 
 def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extra: int = 0) -> int:
@@ -262,22 +346,27 @@ class Engine:
         self.dtype = model.model.embed_tokens.weight.dtype
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
-                 budget: int | None = None, policy: str | Policy = "longflow", sampling: Sampling = Sampling(),
-                 seed: int | list[int] | None = None, batch_size: int | None = None, on_tokens=None,
-                 prompt_rule: str = "snapkv") -> tuple[list[list[int]], Stats]:
+                 budget: int | None = None, policy: str | Policy = "longflow",
+                 sampling: Sampling | list[Sampling] = Sampling(), seed: int | list[int] | None = None,
+                 batch_size: int | None = None, on_tokens=None, prompt_rule: str = "snapkv",
+                 on_done=None) -> tuple[list[list[int]], Stats]:
         """Generate for token-id prompts; returns the new ids of each (EOS included when produced)
-        and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy.
+        and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy. sampling: one
+        Sampling for all prompts or one per prompt (rows with different settings share the batch).
         batch_size: rows decoded together (default: all prompts, or as many as fit).
-        on_tokens(new_ids) streams the first prompt's output. prompt_rule: how prompts longer than
-        the budget are compressed (cache.PROMPT_RULES)."""
+        on_tokens(new_ids) streams the first prompt's output; on_done(index, new_ids) is called as each
+        prompt finishes. prompt_rule: how prompts longer than the budget are compressed (cache.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
+        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(sampling) != len(prompts) or not all(isinstance(s, Sampling) for s in sampling):
+            raise ValueError(f"sampling must be one Sampling or one per prompt ({len(prompts)})")
         if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
             seed = random.randrange(2**31) if seed is None else seed
             seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
         if len(seed) != len(prompts) or not all(map(is_int, seed)):
             raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
         return drain(self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy,
-                                 prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens))
+                                 prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens, on_done=on_done))
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]], budget: int | None = None,
               policy: str | Policy = "longflow", batch_size: int | None = None, prompt_rule: str = "snapkv",
@@ -309,10 +398,10 @@ class Engine:
                                        on_dists=on_dists))
 
     def _serve(self, prompts, limits: list[int], eos: set, budget, policy, prompt_rule, mode, batch_size,
-               seed=None, on_tokens=None, continuations=None, on_dists=None):
-        """The common part of generate and score, a generator that yields at every host sync. mode: a
-        Sampling, or (continuation buffer length, keep_dists) for teacher forcing. limits: the tokens each
-        prompt produces at most."""
+               seed=None, on_tokens=None, on_done=None, continuations=None, on_dists=None):
+        """The common part of generate and score, a generator that yields at every host sync. mode: the
+        Sampling of each prompt, or (continuation buffer length, keep_dists) for teacher forcing. limits: the
+        tokens each prompt produces at most."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if isinstance(policy, str):
@@ -323,9 +412,12 @@ class Engine:
         dists = 4 * RING * self.model.cfg.vocab_size if on_dists else 0  # bytes per row of Forcing.dists
         batch = self._batch_size(batch_size, len(prompts), budget, longest, dists)
         t0 = sync_time(self.device)
-        self._prepare(batch, budget, policy, prompt_rule, mode)
+        sampling = mode if isinstance(mode, list) else None
+        self._prepare(batch, budget, policy, prompt_rule, "sample" if sampling else mode)
+        self.stepper.hot = bool(sampling) and any(s.temperature > 0 for s in sampling)
         t1 = sync_time(self.device)
-        outs, prefill_s = yield from self._run(prompts, limits, eos, seed, on_tokens, continuations, on_dists)
+        outs, prefill_s = yield from self._run(prompts, limits, eos, seed, sampling, on_tokens, on_done,
+                                               continuations, on_dists)
         t2 = sync_time(self.device)
         cfg = self.model.cfg
         every_token = sum(len(p) + len(o) for p, o in zip(prompts, outs))
@@ -366,7 +458,8 @@ class Engine:
         return batch
 
     def _prepare(self, batch, slots, policy, prompt_rule, mode):
-        """Reuse the cache, buffers and captured graph when the shape and settings repeat."""
+        """Reuse the cache, buffers and captured graph when the shape and policy repeat. mode: "sample", or
+        teacher forcing's (continuation buffer length, keep_dists)."""
         key = (batch, slots, policy, prompt_rule, mode)
         if self.key == key:
             self.cache.reset()
@@ -376,12 +469,13 @@ class Engine:
             torch.cuda.empty_cache()
         self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule)
         self.state = State.empty(batch, self.device)
-        self.mode = mode if isinstance(mode, Sampling) else \
-            Forcing.empty(batch, mode[0], self.model.cfg.vocab_size, mode[1], self.device)
+        vocab = self.model.cfg.vocab_size
+        self.mode = Sampler.empty(batch, vocab, self.device) if mode == "sample" else \
+            Forcing.empty(batch, mode[0], vocab, mode[1], self.device)
         self.stepper = Stepper(self.model, self.cache, self.state, self.mode, self.compile)
         self.key = key
 
-    def _run(self, prompts, limits, eos, seed, on_tokens, continuations, on_dists):
+    def _run(self, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations, on_dists):
         """Decode until every prompt is done, refilling rows as they free up, yielding after each host sync.
         Returns (outputs, prefill s): per prompt its tokens, or with teacher forcing its (token, logprob,
         argmax) records."""
@@ -392,15 +486,24 @@ class Engine:
         waiting = deque(range(len(prompts)))
         token = (lambda r: r[0]) if continuations else (lambda r: r)
         done = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos or len(outs[p]) == limits[p])
+
+        def release(b, p):  # prompt p is done: hand its output over and free its row
+            serving[b] = None
+            if on_done:
+                on_done(p, outs[p])
+
         prefill_s, steps_read = 0.0, 0
         while True:
             while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
                 rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
                 taken = [waiting.popleft() for _ in rows]
                 t = sync_time(self.device)
-                for b, p, first in zip(rows, taken, self._admit(rows, prompts, taken, seed, continuations, on_dists)):
+                firsts = self._admit(rows, prompts, taken, seed, sampling, continuations, on_dists)
+                for b, p, first in zip(rows, taken, firsts):
                     outs[p].append(first)
-                    serving[b] = None if done(p) else p
+                    serving[b] = p
+                    if done(p):
+                        release(b, p)
                 prefill_s += sync_time(self.device) - t
             if on_tokens:
                 on_tokens(outs[0])
@@ -425,10 +528,10 @@ class Engine:
                 if on_dists:
                     on_dists(p, before, self.mode.dists[b, cols[:len(outs[p]) - before]])
                 if done(p):
-                    serving[b] = None
+                    release(b, p)
             yield
 
-    def _admit(self, rows: list[int], prompts, taken: list[int], seed, continuations, on_dists) -> list:
+    def _admit(self, rows: list[int], prompts, taken: list[int], seed, sampling, continuations, on_dists) -> list:
         """Prefill prompts `taken` into cache `rows`, set those rows' decode state, and return each
         prompt's first output: a sampled token, or with teacher forcing the first continuation token's
         record. Groups of about PREFILL_TOKENS padded tokens at a time."""
@@ -449,8 +552,9 @@ class Engine:
             if continuations:
                 first, records = self._force_first(group, batch, lengths, logits, continuations, on_dists)
             else:
-                s, seeds = self.mode, torch.tensor([seed[p] for p in batch], device=self.device)
-                first = sample(logits, seeds, lengths, s.temperature, s.top_k, s.top_p)
+                seeds = torch.tensor([seed[p] for p in batch], device=self.device)
+                self.mode.start(r, [sampling[p] for p in batch], [prompts[p] for p in batch])
+                first = self.mode.pick(logits, seeds, lengths, r)
                 self.state.seeds[r], records = seeds, first.tolist()
             self.state.tokens[r], self.state.positions[r] = first, lengths
             firsts += records
@@ -528,6 +632,12 @@ def batch_size(text: str):
     return text if text == "max" else positive_int(text)
 
 
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -563,6 +673,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of ids already seen (transformers' definition); default: "
+                        "generation_config.json, else 1 (none)")
     p.add_argument("--batch-size", type=batch_size, default=1,
                    help="sequences generated together, or 'max': as many as fit in GPU memory")
     p.add_argument("--device", default=None)
@@ -603,7 +716,8 @@ def run(args):
         printed[:] = [out]
 
     outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy,
-                                  Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p),
+                                  Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p,
+                                                         args.repetition_penalty),
                                   args.seed, batch,
                                   on_tokens=stream if batch == 1 else None, prompt_rule=args.prompt_compression)
     if batch == 1:

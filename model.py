@@ -333,6 +333,8 @@ class Tokenizer:
         self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
         if not gen.get("do_sample", False):
             self.defaults = {"temperature": 0.0}
+        if "repetition_penalty" in gen:  # applies to greedy decoding too
+            self.defaults["repetition_penalty"] = gen["repetition_penalty"]
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """special: add what the tokenizer adds to the start of a text (BOS for Llama 3); not for a text

@@ -48,17 +48,20 @@ class LLM:
         self.budget, self.prompt_rule = budget, prompt_compression
 
     def generate(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | list[int] | None = None,
-                 batch_size: int | None = None, ignore_eos: bool = False) -> list[Output]:
-        """prompts: a list of strings (tokenized as they are) or of token-id lists. batch_size: how many
+                 top_k: int = 0, seed: int | list[int] | None = None, batch_size: int | None = None,
+                 ignore_eos: bool = False, on_output=None, repetition_penalty: float = 1.0) -> list[Output]:
+        """prompts: a list of strings (tokenized as they are) or of token-id lists. Greedy unless
+        temperature > 0; repetition_penalty as transformers defines it (1: none). batch_size: how many
         sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
         take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt.
-        ignore_eos: generate max_new_tokens tokens whatever they are."""
+        ignore_eos: generate max_new_tokens tokens whatever they are. on_output(i, Output) is called as
+        soon as prompt i is finished (outputs come back in prompt order at the end too)."""
         ids = self._ids(prompts, "prompts")
         eos = [] if ignore_eos else self.tokenizer.eos_ids
-        outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget,
-                                                self.policy, Sampling(temperature, top_k, top_p), seed,
-                                                batch_size, prompt_rule=self.prompt_rule)
+        on_done = (lambda i, o: on_output(i, Output(list(o), self.tokenizer.decode(o)))) if on_output else None
+        outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget, self.policy,
+                                                Sampling(temperature, top_k, top_p, repetition_penalty), seed,
+                                                batch_size, prompt_rule=self.prompt_rule, on_done=on_done)
         return [Output(o, self.tokenizer.decode(o)) for o in outs]
 
     def score(self, prompts, continuations, batch_size: int | None = None) -> list[Score]:

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import generate
 import tinyflow
-from generate import Engine, sample
+from generate import Engine, apply_penalty, sample
+from cache import POLICIES
 from model import Config, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,45 +31,117 @@ def cli(capsys, *argv):
     return code, out, err
 
 
-def test_compiled_step_never_recompiles_and_matches_eager(checkpoints):
+@pytest.mark.parametrize("policy", ["longflow", "rkv"])  # the kernel's rule; the heaviest rule scored in PyTorch
+def test_compiled_step_never_recompiles_and_matches_eager(checkpoints, policy):
     model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
-    # budget 36 < prompt + 40 new tokens: the LongFlow eviction path runs inside the compiled step
-    eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget=36)
+    # budget 36 < prompt + 40 new tokens: the eviction path runs inside the compiled step
+    eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget=36, policy=policy)
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         engine = Engine(model, compile=True)
-        compiled, _ = engine.generate(prompts, 40, [], budget=36)
-        again, _ = engine.generate(prompts, 40, [], budget=36)  # reuses the compiled step and the cache
+        compiled, _ = engine.generate(prompts, 40, [], budget=36, policy=policy)
+        again, _ = engine.generate(prompts, 40, [], budget=36, policy=policy)  # reuses the step and the cache
     assert compiled == eager == again
-    assert counters["stats"]["unique_graphs"] == 2  # one compiled layer runs both layers; plus the sampling
+    # one compiled layer runs both layers; plus the two samplings (greedy rows only, some rows sampling)
+    assert counters["stats"]["unique_graphs"] == 3
     assert all(len(o) == 40 for o in compiled)
+
+
+def rows(*values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def draw(logits, seed, position, temperature, top_k, top_p):
+    """sample() with the same settings for every row."""
+    B = logits.shape[0]
+    full = lambda x, dtype=torch.float32: torch.full((B,), x, dtype=dtype)
+    return sample(logits, full(seed, torch.int64), full(position, torch.int64), full(temperature),
+                  full(top_k, torch.int64), full(top_p))
 
 
 def test_sampling_is_reproducible_per_seed_and_respects_top_k():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     seeds, positions = torch.tensor([1, 2, 3]), torch.tensor([7, 7, 7])
-    a = sample(logits, seeds, positions, temperature=1.0, top_k=0, top_p=1.0)
-    assert torch.equal(a, sample(logits, seeds, positions, 1.0, 0, 1.0))
-    draws = torch.stack([sample(logits, seeds, positions + i, 1.0, 3, 1.0) for i in range(200)])  # [200, 3]
+    one, k0, k3 = rows(1.0, 1.0, 1.0), rows(0, 0, 0, dtype=torch.int64), rows(3, 3, 3, dtype=torch.int64)
+    a = sample(logits, seeds, positions, one, k0, one)
+    assert torch.equal(a, sample(logits, seeds, positions, one, k0, one))
+    draws = torch.stack([sample(logits, seeds, positions + i, one, k3, one) for i in range(200)])  # [200, 3]
     top3 = logits.topk(3).indices  # [3, 3]
     assert all(set(draws[:, b].tolist()) == set(top3[b].tolist()) for b in range(3))
-    assert torch.equal(sample(logits, seeds, positions, 0.0, 0, 1.0), logits.argmax(-1))
+    assert torch.equal(sample(logits, seeds, positions, rows(0.0, 0.0, 0.0), k0, one), logits.argmax(-1))
+
+
+def test_each_row_samples_with_its_own_settings():
+    """Row 0 greedy, row 1 top-k 1 (the argmax too), row 2 free: settings are per row, and a greedy row is
+    the exact argmax whatever the other rows do."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    seeds, argmax = torch.tensor([1, 2, 3]), logits.argmax(-1)
+    draws = torch.stack([sample(logits, seeds, torch.tensor([i] * 3), rows(0.0, 1.0, 1.0),
+                                rows(0, 1, 0, dtype=torch.int64), rows(1.0, 1.0, 1.0)) for i in range(100)])
+    assert (draws[:, 0] == argmax[0]).all() and (draws[:, 1] == argmax[1]).all()
+    assert len(set(draws[:, 2].tolist())) > 10
 
 
 def test_sampling_follows_the_distribution():
     """The exponential-race draw matches softmax probabilities (4,000 draws: 3-sigma is about 0.02)."""
     logits = torch.tensor([[0.0, 1.0, 2.0]])
-    draws = torch.stack([sample(logits, torch.tensor([5]), torch.tensor([i]), 1.0, 0, 1.0) for i in range(4000)])
+    draws = torch.stack([draw(logits, 5, i, 1.0, 0, 1.0) for i in range(4000)])
     freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
     assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.025)
 
 
 def test_top_p_keeps_the_smallest_set_covering_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    draws = {sample(logits, torch.tensor([0]), torch.tensor([i]), 1.0, 0, 0.7).item() for i in range(300)}
+    draws = {draw(logits, 0, i, 1.0, 0, 0.7).item() for i in range(300)}
     assert draws == {0, 1}
+
+
+def test_top_k_keeps_ties_with_the_kth_logit():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    assert {draw(logits, 0, i, 10.0, 2, 1.0).item() for i in range(300)} == {0, 1, 2}
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_ids():
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert apply_penalty(logits, seen, torch.tensor([2.0])).tolist() == [[1.0, -2.0, 3.0, 0.5]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_greedy_with_repetition_penalty_equals_transformers(checkpoints, arch):
+    """transformers' generate(repetition_penalty=1.5), greedy: the same tokens. The penalty remembers the
+    prompt's ids and every generated one, in a refilled row as in a fresh one (batch 1, two prompts)."""
+    from transformers import AutoModelForCausalLM
+    model, tok = load(str(checkpoints[arch]), torch.device("cpu"), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[arch], torch_dtype=torch.float32).eval()
+    prompts = [tok.encode("The quick brown fox jumps over the lazy dog"), tok.encode("Hello world")]
+    ours, _ = Engine(model, compile=False).generate(prompts, 30, [], sampling=generate.Sampling(repetition_penalty=1.5),
+                                                    batch_size=1)
+    for prompt, out in zip(prompts, ours):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                           repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out == want
+    plain, _ = Engine(model, compile=False).generate(prompts, 30, [])
+    assert plain != ours  # the penalty changed something
+
+
+def test_new_sampling_settings_and_mixed_rows_never_recompile(checkpoints):
+    """Temperature, top-k, top-p and the penalty are per-row values of one compiled step: changing them, or
+    mixing them in one batch, compiles nothing new, and each row gets what it gets alone."""
+    model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox")]
+    S = generate.Sampling
+    greedy, hot = S(), S(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3)
+    engine = Engine(model, compile=True)
+    torch._dynamo.reset()
+    alone = [engine.generate(prompts, 20, [], sampling=s, seed=4)[0] for s in (greedy, hot)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        mixed, _ = engine.generate(prompts, 20, [], sampling=[greedy, hot], seed=4)
+        again = [engine.generate(prompts, 20, [], sampling=s, seed=4)[0] for s in (hot, greedy)]
+    assert mixed == [alone[0][0], alone[1][1]]
+    assert again == alone[::-1]
 
 
 def test_api_generates_text_and_stops_at_eos(checkpoints):
@@ -115,8 +188,9 @@ def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
     row = generate.bytes_per_row(cfg, 3200, dtype)
     # 2 layers x 2 KV heads x (K and V of 32 bf16, the int32 position, at most two fp32 values kept beside a
-    # slot) + the sampling buffers
-    assert row == 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 8) + 24 * 320
+    # slot), the key sum and query ring the rules may keep, + the sampling buffers and the penalty's seen ids
+    kv = 2 * (2 * (3200 * (2 * 32 * 2 + 4 + 8) + 4 * 32) + cfg.n_heads * 8 * 32 * 2)
+    assert row == kv + 41 * 320
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
     assert generate.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
@@ -257,15 +331,16 @@ def test_hub_id_not_in_cache_while_offline_says_how_to_download(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy, budget", [("full", None), ("longflow", 36), ("longflow-head", 36)])
+@pytest.mark.parametrize("policy, budget", [("full", None)] + [(p, 53) for p in POLICIES if p != "full"])
 def test_cuda_graph_replay_matches_eager_and_never_recompiles(checkpoints, policy, budget):
-    """On the GPU: the compiled step, replayed as a CUDA graph, against the same step run eagerly."""
+    """On the GPU: the compiled step, replayed as a CUDA graph, against the same step run eagerly (budget 53,
+    vatp's smallest, and 80 new tokens: every rule evicts)."""
     model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.float32)
     prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
-    eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget, policy)
+    eager, _ = Engine(model, compile=False).generate(prompts, 80, [], budget, policy)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        graphed, _ = Engine(model, compile=True).generate(prompts, 40, [], budget, policy)
+        graphed, _ = Engine(model, compile=True).generate(prompts, 80, [], budget, policy)
     assert graphed == eager
 
 
