@@ -1,8 +1,9 @@
-"""Evaluate tinyflow on reasoning benchmarks: datasets, the prompt, and answer grading.
+"""Evaluate tinyflow on reasoning benchmarks: datasets, the protocols (how each paper's code asks, decodes
+and grades), answer grading, needle retrieval, and teacher-forced fidelity to the full cache.
 
 Grading follows the usual protocol of math benchmarks (LongFlow, DeepSeek-R1): the model is asked to put
-its final answer in \\boxed{}, the content of the last box is taken, and it is compared with the
-reference answer as mathematics, not as text. The symbolic part is left to the maintained
+its final answer in \\boxed{}, the content of the last box (the first, for the LongFlow scripts) is taken,
+and it is compared with the reference answer as mathematics, not as text. The symbolic part is left to the maintained
 `math-verify` library; this file adds what it lacks: cheap exact matches first, plain numbers with a
 relative tolerance, repair of a few broken references, and a guard so one slow sympy call can never
 stop an evaluation run.
@@ -18,7 +19,7 @@ import os
 import random
 import re
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
@@ -48,18 +49,56 @@ def load_dataset(name_or_path: str | Path) -> list[dict]:
     return rows
 
 
-# The prompt of the LongFlow and R1 papers: the question, a newline, then this instruction.
+# DeepSeek-R1's recommended prompt: the question, a newline, then this instruction, as the user's message.
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def build_messages(question: str, suffix: str | None = PROMPT_SUFFIX) -> list[dict]:
-    return [{"role": "user", "content": f"{question}\n{suffix}" if suffix else question}]
+@dataclass(frozen=True)
+class Protocol:
+    """How a benchmark is asked, decoded and graded, as the code whose numbers it is compared with does."""
+    system: str | None  # a system message, or none
+    suffix: str | None  # appended to the question, after a newline, in the user message
+    sampling: dict  # Sampling fields; those not given come from the model's generation_config.json
+    max_new_tokens: int
+    prompt_tokens: int | None  # the templated prompt is cut to its first N tokens (None: never cut)
+    budget: int | None  # the KV budget of runs written without one (None: every token)
+    answer: str  # which \boxed{} is the answer: "first" or "last"
+    samples: int  # generations per question, pass@1 averaged over them
 
 
-def grade(item: dict, completion: str) -> bool:
+PROTOCOLS = {
+    # the official LongFlow scripts (yisunlp/LongFLow: generate_*.py, acc.py): this system message and the bare
+    # question, Qwen3's chat template with thinking on, greedy with repetition_penalty 1.2, 8,192 new tokens,
+    # the templated prompt cut to 1,000 tokens (tokenizer truncation, which keeps the first 1,000), a budget of
+    # 2,048 and the first \boxed{} graded
+    "longflow": Protocol("Please reason step by step, and must put your final answer within \\boxed{}", None,
+                         dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.2), 8192, 1000, 2048,
+                         "first", 1),
+    # DeepSeek-R1 (its paper's evaluation, which R-KV reports too): the instruction in the user message, no
+    # system message, temperature 0.6 and top-p 0.95, 32,768 new tokens, pass@1 over k samples (the paper:
+    # k between 4 and 64 by test-set size; 64 here, for AIME-sized sets)
+    "r1": Protocol(None, PROMPT_SUFFIX, dict(temperature=0.6, top_k=0, top_p=0.95, repetition_penalty=1.0), 32768,
+                   None, None, "last", 64),
+    # this project's default: R1's prompt, the model's own generation_config.json sampling, 16,384 new tokens
+    "default": Protocol(None, PROMPT_SUFFIX, {}, 16384, None, None, "last", 1),
+}
+
+
+def build_messages(question: str, suffix: str | None = PROMPT_SUFFIX, system: str | None = None) -> list[dict]:
+    user = {"role": "user", "content": f"{question}\n{suffix}" if suffix else question}
+    return ([{"role": "system", "content": system}] if system else []) + [user]
+
+
+def item_messages(item: dict, protocol: Protocol) -> list[dict]:
+    """The conversation that asks an item: the protocol's, unless the item brings its own instruction
+    (needle retrieval asks for the number alone, with no system message)."""
+    return build_messages(item["question"], item.get("suffix", protocol.suffix), item.get("system", protocol.system))
+
+
+def grade(item: dict, completion: str, answer: str = "last") -> bool:
     if item.get("grade") == "needle":
         return needle_found(completion, item["true_answer"])
-    return is_correct(completion, item["true_answer"])
+    return is_correct(completion, item["true_answer"], answer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,11 +119,14 @@ def _closing_brace(text: str, begin: int) -> int | None:
     return None
 
 
-def extract_boxed(text: str) -> str | None:
-    """The content of the last complete \\boxed{...} (or \\fbox{...}, or `\\boxed 5`); None if none.
+def extract_boxed(text: str, which: str = "last") -> str | None:
+    """The content of the last complete \\boxed{...} (or \\fbox{...}, or `\\boxed 5`), or of the first box;
+    None if none.
 
-    A box left open at the end (a truncated generation) is skipped for the last one that closes."""
-    for start in reversed([m.end() for m in re.finditer(r"\\(?:boxed|fbox)", text)]):
+    A last box left open (a truncated generation) is skipped for the last one that closes."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)", text)]
+    # the first box, as the LongFlow scripts read it, counts even when it never closes (then: no answer)
+    for start in starts[:1] if which == "first" else reversed(starts):
         rest = text[start:]
         if not rest.lstrip().startswith("{"):
             word = re.match(r"\s+([^\s${}]+)", rest)  # `\boxed 5`: the next word is the answer
@@ -209,12 +251,12 @@ def _symbolic_equal(reference: str, answer: str) -> bool:
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
-def is_correct(completion_text: str, true_answer) -> bool:
-    """Whether the last \\boxed{} answer of a completion equals the reference answer mathematically.
+def is_correct(completion_text: str, true_answer, which: str = "last") -> bool:
+    """Whether the last (or first) \\boxed{} answer of a completion equals the reference answer mathematically.
 
     Order matters for tuples and intervals, and so do an interval's brackets; a comma list without
     brackets is a set of answers (1,-2 equals -2,1). Units, degrees and percent signs are ignored."""
-    boxed = extract_boxed(completion_text)
+    boxed = extract_boxed(completion_text, which)
     if boxed is None:
         return False
     reference = _reference(true_answer)
@@ -259,7 +301,7 @@ def retrieval_items(n: int, words: int, seed: int = 0) -> list[dict]:
                     f"it afterwards.\n\n{' '.join(hay)}\n\nWhat is the special magic number for {key} mentioned "
                     "in the text above? Answer with the number alone.")
         items.append({"index": i, "question": question, "true_answer": value, "depth": depth,
-                      "needle": needle, "suffix": None, "grade": "needle"})
+                      "needle": needle, "suffix": None, "system": None, "prompt_tokens": None, "grade": "needle"})
     return items
 
 
@@ -267,9 +309,10 @@ def needle_found(completion: str, value: str) -> bool:
     return value in re.findall(r"\d+", completion)
 
 
-def needle_kept(llm, conv: list[dict], item: dict) -> float:
+def needle_kept(llm, conv: list[dict], item: dict, ids: list[int] | None = None) -> float:
     """The share of (layer, KV head) rows of the cache that still hold every token of the needle's value
-    right after the prompt was prefilled and compressed with the LLM's budget and rules."""
+    right after the prompt was prefilled and compressed with the LLM's budget and rules. ids: the prompt
+    as it was generated from, if not simply the rendered conversation (they must agree on its tokens)."""
     import torch
 
     from cache import KVCache
@@ -278,6 +321,8 @@ def needle_kept(llm, conv: list[dict], item: dict) -> float:
     enc = llm.tokenizer.tok.encode(text, add_special_tokens=False)
     wanted = {i for i, (a, b) in enumerate(enc.offsets) if a < at + len(item["true_answer"]) and b > at}
     assert wanted, "the needle's value must be somewhere in the tokens"
+    if ids is not None and ids != enc.ids:
+        raise ValueError("needle_kept: the prompt's ids are not those of its rendered conversation")
     T, tensor = len(enc.ids), lambda data: torch.tensor(data, device=llm.device)
     full = llm.budget is None or llm.policy.rule == "fill"  # as generation does: room for every token
     cache = KVCache(llm.model.cfg, 1, T + 1 if full else llm.budget, llm.device, llm.dtype, llm.policy,
@@ -309,42 +354,103 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def evaluate(llm, items: list[dict], path: Path, samples: int, max_new_tokens: int, sampling: dict,
-             seed: int, chunk: int, progress=print) -> dict:
-    """Generate for every (item, sample) not yet in `path`, appending a line as each chunk finishes;
-    return the summary over the whole file."""
+def prompt_ids(tokenizer, item: dict, protocol: Protocol) -> tuple[list[dict], list[int], bool]:
+    """The item's conversation, its token ids through the chat template (thinking on), and whether the
+    protocol cut them to its prompt_tokens (keeping the first ones, as the LongFlow scripts' tokenizer call
+    does; 0 or None: never)."""
+    conv = item_messages(item, protocol)
+    ids = tokenizer.chat(conv)
+    limit = item.get("prompt_tokens", protocol.prompt_tokens)  # needle retrieval: never cut
+    cut = bool(limit) and len(ids) > limit
+    return conv, ids[:limit] if cut else ids, cut
+
+
+def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: dict, seed: int,
+             batch_size: int | None = None) -> dict:
+    """Generate for every (item, sample) not yet in `path`, appending its line the moment it finishes (an
+    interrupted run keeps every finished generation); return the summary over the rows of these items and
+    samples (a file may hold more, from a run with a larger --limit or --samples)."""
     done = {(r["index"], r["sample"]) for r in read_rows(path)}
-    todo = [(it, s) for s in range(samples) for it in items if (it["index"], s) not in done]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    generate_s, new_tokens, kv_bytes = 0.0, 0, None  # of the generations made now, not of earlier runs
-    for start in range(0, len(todo), chunk):
-        part = todo[start:start + chunk]
-        convs = [build_messages(it["question"], it.get("suffix", PROMPT_SUFFIX)) for it, _ in part]
-        # a seed per (item, sample): a resumed or re-chunked run draws the same samples
-        seeds = [seed + 1000003 * s + it["index"] for it, s in part]
-        outs = llm.chat(convs, max_new_tokens=max_new_tokens, seed=seeds, **sampling)
-        generate_s += llm.stats.decode_s + llm.stats.prefill_s
-        new_tokens += llm.stats.generated_tokens
-        kv_bytes = llm.stats.kv_bytes
-        with path.open("a") as f:
-            for (it, s), conv, out in zip(part, convs, outs):
-                prompt_len = len(llm.tokenizer.chat(conv))
-                extra = {"depth": it["depth"], "needle_kept": needle_kept(llm, conv, it)} \
+    todo = [(it, s) for s in range(protocol.samples) for it in items if (it["index"], s) not in done]
+    asked = [prompt_ids(llm.tokenizer, it, protocol) for it, _ in todo]
+    # a seed per (item, sample): a resumed run draws the same samples
+    seeds = [seed + 1000003 * s + it["index"] for it, s in todo]
+    stats = None
+    if todo:
+        with path.open("a") as f, ProgressBar(len(todo), path.name) as bar:
+            def write(i, out):
+                (it, s), (conv, ids, cut) = todo[i], asked[i]
+                extra = {"depth": it["depth"], "needle_kept": needle_kept(llm, conv, it, ids)} \
                     if it.get("grade") == "needle" else {}
                 f.write(json.dumps({
-                    "index": it["index"], "sample": s, "prompt": conv[0]["content"], "completion": out.text,
-                    "answer": extract_boxed(out.text), "true_answer": it["true_answer"],
-                    "correct": grade(it, out.text), "tokens": len(out.token_ids),
-                    "budget_full": llm.budget is not None and prompt_len + len(out.token_ids) > llm.budget, **extra,
+                    "index": it["index"], "sample": s, "messages": conv, "prompt_cut": cut, "completion": out.text,
+                    "answer": extract_boxed(out.text, protocol.answer), "true_answer": it["true_answer"],
+                    "correct": grade(it, out.text, protocol.answer), "tokens": len(out.token_ids),
+                    "budget_full": llm.budget is not None and len(ids) + len(out.token_ids) > llm.budget, **extra,
                 }) + "\n")
-        progress(f"{path.name}: {min(start + chunk, len(todo))}/{len(todo)} generations")
-    rows = read_rows(path)
-    return {"file": str(path), "items": len({r["index"] for r in rows}), "samples": samples,
+                f.flush()
+                bar.update(1, len(out.token_ids))
+
+            llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens, seed=seeds,
+                         batch_size=batch_size, on_output=write, **sampling)
+        stats = llm.stats
+    wanted = {it["index"] for it in items}
+    rows = [r for r in read_rows(path) if r["index"] in wanted and r["sample"] < protocol.samples]
+    return {"file": str(path), "items": len(items), "samples": protocol.samples, "rows": len(rows),
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
             "budget_full_fraction": sum(r["budget_full"] for r in rows) / len(rows),
-            "tokens_per_s": new_tokens / generate_s if generate_s else None,
-            "kv_bytes": kv_bytes, **needle_summary(rows)}
+            "prompts_cut": sum(r.get("prompt_cut", False) for r in rows) / len(rows),
+            # of the generations made now; None when nothing was left to generate (the caller keeps the last)
+            "tokens_per_s": stats.generated_tokens / (stats.decode_s + stats.prefill_s) if stats else None,
+            "kv_bytes": stats.kv_bytes if stats else None, **needle_summary(rows)}
+
+
+class ProgressBar:
+    """A live bar (tqdm: done of total, rate, time left, and generated tokens/s when given), or a printed line
+    every twentieth of the way when tqdm is not installed."""
+
+    def __init__(self, total: int, name: str, unit: str = "gen"):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+        self.tokens, self.done, self.total, self.name, self.unit = 0, 0, total, name, unit
+
+    def update(self, n: int, tokens: int = 0):
+        self.tokens += tokens
+        self.done += n
+        if self.bar is None:  # a line at every twentieth of the way instead
+            step = max(1, self.total // 20)
+            if self.done // step != (self.done - n) // step or self.done >= self.total:
+                print(f"{self.name}: {self.done}/{self.total} {self.unit}", flush=True)
+        else:
+            if self.tokens:
+                elapsed = self.bar.format_dict["elapsed"]
+                self.bar.set_postfix_str(f"{self.tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
+            self.bar.update(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def lock_run(path: Path):
+    """Hold an exclusive lock on `path` for the life of this process: a second eval.py writing the same run
+    would write every row twice. The lock goes with the process, however it ends."""
+    import fcntl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path.with_suffix(".lock"), "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(f"another eval.py is writing {path}; wait for it to finish or use another --out") from None
+    return handle
 
 
 def needle_summary(rows: list[dict]) -> dict:
@@ -412,7 +518,7 @@ def write_table(summaries: list[dict], out_dir: Path):
     for s in summaries:
         if not s["budget"]:
             ax.axhline(s["accuracy"], linestyle="--", color="gray", label=f"{s['policy']} (all tokens)")
-    ax.set(xlabel="KV budget (slots)", ylabel="accuracy", title="accuracy against budget")
+    ax.set(xlabel="KV budget (slots)", ylabel="accuracy", title="accuracy against budget", ylim=(0, 1))
     ax.legend()
     fig.savefig(out_dir / "compare.png", dpi=120, bbox_inches="tight")
 
@@ -464,8 +570,8 @@ def self_texts(llm, model: str, n: int, tokens: int, seed: int, path: Path) -> l
     return texts
 
 
-def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]], batch_size: int | None,
-                       progress=print) -> tuple[list, list[list]]:
+def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
+                       batch_size: int | None) -> tuple[list, list[list]]:
     """Score every text with the full cache and with each (policy, budget, prompt rule) run, advancing them in turn
     one host sync at a time. Returns the full cache's scores and, per run, its scores with a "kl" list
     per text (KL(full || run) at every position)."""
@@ -496,17 +602,17 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
     for r, (engine, (policy, budget, rule)) in enumerate(zip(engines[1:], runs)):
         steps.append(engine.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule),
                                         batch_size, rule, on_dists=compare(r)))
-    results, syncs = [None] * len(steps), 0
-    while any(r is None for r in results):
-        for i, s in enumerate(steps):  # the full cache first: its block is there when the runs compare theirs
-            if results[i] is None:
-                try:
-                    next(s)
-                except StopIteration as stop:
-                    results[i] = stop.value[0]
-        syncs += 1
-        if syncs % 16 == 0:
-            progress(f"  {syncs * engines[0].sync_every} steps")
+    results = [None] * len(steps)
+    total = math.ceil(len(texts) / batch_size) * max(map(len, conts))  # decode steps, about
+    with ProgressBar(total, f"{len(runs) + 1} caches in lock-step", unit="step") as bar:
+        while any(r is None for r in results):
+            for i, s in enumerate(steps):  # the full cache first: its block is there when the runs compare theirs
+                if results[i] is None:
+                    try:
+                        next(s)
+                    except StopIteration as stop:
+                        results[i] = stop.value[0]
+            bar.update(engines[0].sync_every)
     if reference or any(math.isnan(x) for k in kl for text in k for x in text):
         raise RuntimeError("fidelity runs fell out of step with the full cache")
     return results[0], [(scores, kl[r]) for r, scores in enumerate(results[1:])]
@@ -687,58 +793,92 @@ def write_atomically(path: Path, text: str):
 
 
 def main(argv=None):
-    import argparse
     import sys
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["fidelity"]:
         return fidelity_main(argv[1:])
-    p = argparse.ArgumentParser(description="Accuracy of KV-cache policies on reasoning benchmarks "
-                                "(and `eval.py fidelity --help`: fidelity to the full cache).")
+    from generate import Parser, non_negative_int, positive_int
+    p = Parser(prog="eval.py", description="Accuracy of KV-cache policies on reasoning benchmarks "
+               "(and `eval.py fidelity --help`: fidelity to the full cache).")
     p.add_argument("--model", default="Qwen/Qwen3-8B")
     p.add_argument("--data", default="aime24", help=f"one of {', '.join(DATASETS)}, 'retrieval', or a JSONL file")
     p.add_argument("--runs", nargs="+", default=["longflow:3200"],
-                   help="POLICY[:BUDGET[:PROMPT_RULE]] runs to compare, e.g. full longflow:3200 tova:3200")
-    p.add_argument("--max-new-tokens", type=int, default=16384)
-    p.add_argument("--samples", type=int, default=1, help="pass@1 averaged over this many samples")
-    p.add_argument("--limit", type=int, default=None, help="only the first N items")
-    p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json")
+                   help="POLICY[:BUDGET[:PROMPT_RULE]] runs to compare, e.g. full longflow:3200 tova:3200 (POLICY "
+                        "alone: the protocol's budget, or every token)")
+    p.add_argument("--protocol", default="default", choices=sorted(PROTOCOLS),
+                   help="longflow: the official LongFlow scripts; r1: DeepSeek-R1's evaluation; default: R1's prompt "
+                        "with generation_config.json sampling. The options below override it")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None)
+    p.add_argument("--samples", type=positive_int, default=None, help="pass@1 averaged over this many samples")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N items")
+    p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--answer", choices=["first", "last"], default=None, help="which \\boxed{} is graded")
+    p.add_argument("--prompt-tokens", type=non_negative_int, default=None,
+                   help="cut templated prompts to their first N tokens (0: never)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=256, help="generations per batch and per resume point")
-    p.add_argument("--retrieval-words", type=int, default=4000, help="--data retrieval: haystack words")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences decoded together (default: as many as fit)")
+    p.add_argument("--retrieval-words", type=positive_int, default=4000, help="--data retrieval: haystack words")
     p.add_argument("--out", default="runs", help="folder for the JSONL, summary and table")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     args = p.parse_args(argv)
     try:
-        import tinyflow
-        from generate import Sampling
-        from cache import resolve_policy
-        runs = [parse_run(r) for r in args.runs]
-        for policy, budget, rule in runs:  # a run that cannot work fails now, not after the others ran
-            resolve_policy(policy, budget, prompt_rule=rule)
-        items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
-            else load_dataset(args.data)
-        items = items[:args.limit]
-        out_dir = Path(args.out)
-        summaries, llm = [], None
-        for policy, budget, rule in runs:
-            if llm is None:
-                llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
-            llm.set_policy(budget, policy, prompt_compression=rule)
-            sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, args.temperature, args.top_k,
-                                                     args.top_p))
-            path = run_file(out_dir, args.data, policy, budget, rule)
-            check_settings(path, dict(model=args.model, data=args.data, max_new_tokens=args.max_new_tokens,
-                                      sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words))
-            summary = evaluate(llm, items, path, args.samples, args.max_new_tokens, sampling, args.seed, args.chunk)
-            summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
-                                  model=args.model, sampling=sampling))
-            path.with_suffix(".summary.json").write_text(json.dumps(summaries[-1], indent=1))
-        write_table(summaries, out_dir)
+        run_main(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
+
+
+def chosen_protocol(args) -> Protocol:
+    """The named protocol with the options given on the command line in place of its own."""
+    proto = PROTOCOLS[args.protocol]
+    given = {name: getattr(args, arg) for name, arg in (("max_new_tokens", "max_new_tokens"), ("samples", "samples"),
+                                                        ("answer", "answer"), ("prompt_tokens", "prompt_tokens"))}
+    sampling = dict(proto.sampling, **{name: getattr(args, name) for name in
+                                       ("temperature", "top_p", "top_k", "repetition_penalty")
+                                       if getattr(args, name) is not None})
+    return replace(proto, sampling=sampling, **{k: v for k, v in given.items() if v is not None})
+
+
+def run_main(args):
+    import tinyflow
+    from cache import resolve_policy
+    from generate import Sampling
+    proto = chosen_protocol(args)
+    runs = [parse_run(r) for r in args.runs]
+    runs = list(dict.fromkeys((policy, proto.budget if budget is None and policy != "full" else budget, rule)
+                              for policy, budget, rule in runs))  # longflow and longflow:2048 may be one run
+    for policy, budget, rule in runs:  # a run that cannot work fails now, not after the others ran
+        resolve_policy(policy, budget, prompt_rule=rule)
+    items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
+        else load_dataset(args.data)
+    items = items[:args.limit]
+    out_dir = Path(args.out)
+    paths = [run_file(out_dir, args.data, *run) for run in runs]
+    locks = [lock_run(path) for path in paths]  # every run locked before anything runs, held until the end
+    summaries, llm = [], None
+    for (policy, budget, rule), path in zip(runs, paths):
+        if llm is None:
+            llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
+        llm.set_policy(budget, policy, prompt_compression=rule)
+        sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
+        check_settings(path, dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
+                                  suffix=proto.suffix, max_new_tokens=proto.max_new_tokens,
+                                  prompt_tokens=proto.prompt_tokens, answer=proto.answer, sampling=sampling,
+                                  seed=args.seed, retrieval_words=args.retrieval_words))
+        summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size)
+        summary_path = path.with_suffix(".summary.json")
+        if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
+            before = read_json(summary_path) or {}
+            summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
+        summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
+                              model=args.model, protocol=args.protocol, sampling=sampling))
+        write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
+    write_table(summaries, out_dir)
+    del locks
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """eval.py end to end on a tiny random checkpoint: files written, resumable, the synthetic task."""
 import json
 
+import pytest
+
 import eval as ev
 
 
@@ -14,7 +16,7 @@ def write_data(tmp_path):
 
 def run_eval(checkpoints, data, out, *extra):
     ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "full", "longflow:40",
-             "--max-new-tokens", "12", "--samples", "2", "--chunk", "4", "--out", str(out), "--device", "cpu",
+             "--max-new-tokens", "12", "--samples", "2", "--batch-size", "4", "--out", str(out), "--device", "cpu",
              "--no-compile", *extra])
 
 
@@ -27,7 +29,7 @@ def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_pat
     lines = (out / "mini_longflow_40.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert sorted((r["index"], r["sample"]) for r in rows) == [(i, s) for i in range(3) for s in range(2)]
-    assert all(set(r) >= {"prompt", "completion", "answer", "correct", "tokens", "budget_full"} for r in rows)
+    assert all(set(r) >= {"messages", "completion", "answer", "correct", "tokens", "budget_full"} for r in rows)
     summary = json.loads((out / "mini_longflow_40.summary.json").read_text())
     assert summary["items"] == 3 and summary["accuracy"] == 0.0  # random weights write no boxed answers
 
@@ -38,16 +40,75 @@ def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_pat
     assert len(again) == len(lines) and json.loads(again[-1]) == rows[-1]
 
 
-def test_a_run_resumed_with_nothing_left_reports_no_kv_bytes_of_another_run(checkpoints, tmp_path):
-    """The summary's KV bytes belong to the generations of that run: a complete run that is resumed
-    after another policy generated reports none (it once reported the other policy's cache)."""
+def test_a_finished_run_run_again_keeps_its_measured_speed_and_kv_bytes(checkpoints, tmp_path):
+    """The summary's tokens/s and KV bytes belong to the generations of that run: run again with nothing
+    left to generate (after another policy generated), it keeps them, neither nulls nor the other's."""
     data, out = write_data(tmp_path), tmp_path / "runs"
     common = ["--model", str(checkpoints["qwen3"]), "--data", str(data), "--max-new-tokens", "12", "--out",
               str(out), "--device", "cpu", "--no-compile"]
     ev.main([*common, "--runs", "longflow:40"])
-    assert json.loads((out / "mini_longflow_40.summary.json").read_text())["kv_bytes"] > 0
+    first = json.loads((out / "mini_longflow_40.summary.json").read_text())
+    assert first["kv_bytes"] > 0 and first["tokens_per_s"] > 0
     ev.main([*common, "--runs", "full", "longflow:40"])
-    assert json.loads((out / "mini_longflow_40.summary.json").read_text())["kv_bytes"] is None
+    again = json.loads((out / "mini_longflow_40.summary.json").read_text())
+    assert (again["kv_bytes"], again["tokens_per_s"]) == (first["kv_bytes"], first["tokens_per_s"])
+
+
+def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_them(checkpoints, tmp_path,
+                                                                                  monkeypatch):
+    """Grading the third finished generation fails (as if the run were killed there): the first two are
+    already on disk, and the resumed run adds the others once each."""
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    real_grade, calls = ev.grade, []
+
+    def grade_then_die(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_grade(*args)
+    monkeypatch.setattr(ev, "grade", grade_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(checkpoints, data, out)
+    assert len((out / "mini_full_all.jsonl").read_text().splitlines()) == 2
+    monkeypatch.setattr(ev, "grade", real_grade)
+    run_eval(checkpoints, data, out)
+    for name in ("mini_full_all.jsonl", "mini_longflow_40.jsonl"):
+        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        assert sorted((r["index"], r["sample"]) for r in rows) == [(i, s) for i in range(3) for s in range(2)]
+
+
+def test_a_second_eval_on_the_same_run_is_refused(checkpoints, tmp_path):
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    held = ev.lock_run(out / "mini_longflow_40.jsonl")  # another eval.py, still running
+    with pytest.raises(SystemExit, match="another eval.py is writing .*mini_longflow_40.jsonl"):
+        run_eval(checkpoints, data, out)
+    held.close()
+    run_eval(checkpoints, data, out)
+
+
+def test_the_summary_counts_only_the_rows_of_the_current_limit_and_samples(checkpoints, tmp_path):
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    run_eval(checkpoints, data, out)  # 3 items x 2 samples
+    run_eval(checkpoints, data, out, "--samples", "1", "--limit", "2")
+    summary = json.loads((out / "mini_longflow_40.summary.json").read_text())
+    assert (summary["items"], summary["samples"], summary["rows"]) == (2, 1, 2)
+
+
+def test_the_longflow_protocol_asks_decodes_and_grades_as_the_official_scripts(checkpoints, tmp_path):
+    """A system message and the bare question, greedy with repetition penalty 1.2, the templated prompt cut
+    to its first N tokens, a 2,048 budget for a run written without one, the first \\boxed{} graded; all of
+    it in the run's settings."""
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow", "--protocol", "longflow",
+             "--max-new-tokens", "6", "--prompt-tokens", "30", "--out", str(out), "--device", "cpu", "--no-compile"])
+    settings = json.loads((out / "mini_longflow_2048.settings.json").read_text())
+    assert settings["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.2}
+    assert (settings["answer"], settings["prompt_tokens"], settings["max_new_tokens"]) == ("first", 30, 6)
+    rows = [json.loads(line) for line in (out / "mini_longflow_2048.jsonl").read_text().splitlines()]
+    assert rows[0]["messages"] == [{"role": "system", "content": ev.PROTOCOLS["longflow"].system},
+                                   {"role": "user", "content": "What is 2 + 3?"}]
+    assert all(r["prompt_cut"] for r in rows)  # the chat template alone is longer than 30 tokens here
+
 
 
 def test_retrieval_items_hide_one_needle_in_real_prose_at_each_depth_in_turn():
@@ -89,3 +150,18 @@ def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path):
     with pytest.raises(SystemExit, match="was written with other settings"):
         ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40",
                  "--max-new-tokens", "13", "--out", str(out), "--device", "cpu", "--no-compile"])
+
+
+def test_needle_prompts_are_never_cut_and_a_run_named_twice_runs_once(checkpoints, tmp_path):
+    """The longflow protocol cuts prompts to 1,000 tokens, which would cut the haystack and its question;
+    needle items opt out. `longflow` and `longflow:2048` under that protocol are one run (one lock, one file)."""
+    import tinyflow
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    item = ev.retrieval_items(1, words=1500, seed=0)[0]
+    _, ids, cut = ev.prompt_ids(llm.tokenizer, item, ev.PROTOCOLS["longflow"])
+    assert len(ids) > 1000 and not cut
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow", "longflow:2048",
+             "--protocol", "longflow", "--max-new-tokens", "4", "--limit", "1", "--out", str(out), "--device", "cpu",
+             "--no-compile"])
+    assert len((out / "mini_longflow_2048.jsonl").read_text().splitlines()) == 1

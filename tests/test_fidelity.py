@@ -39,8 +39,7 @@ def test_lock_step_kl_equals_kl_of_the_kept_distributions(checkpoints):
     llm = tinyflow.LLM(str(checkpoints["llama"]), device="cpu", compile=False)
     texts = [{"prompt": llm.tokenizer.encode("Hello"), "continuation": llm.tokenizer.encode(" world" * 30)},
              {"prompt": llm.tokenizer.encode("The quick"), "continuation": llm.tokenizer.encode(" brown fox" * 12)}]
-    full, [(scores, kl)] = ev.score_in_lock_step(llm, texts, [("tova", 36, "snapkv")], batch_size=1,
-                                                 progress=lambda _: None)
+    full, [(scores, kl)] = ev.score_in_lock_step(llm, texts, [("tova", 36, "snapkv")], batch_size=1)
 
     def all_dists(budget, policy):
         kept = [dict() for _ in texts]
