@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import kernel
-from cache import KVCache, unit
+from cache import KVCache, unit_key_sum
 from eval import ProgressBar  # the live bar of eval.py (tqdm, when installed)
 from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
 from model import Config, empty_model, load
@@ -200,14 +200,14 @@ def fill_cache(cache: KVCache, filled: int):
         layer.v.normal_()
         if cache.policy.keeps_vnorm:
             layer.vnorm.copy_(kernel.l1_norm(layer.v))
-        if cache.policy.keeps_key_sum:
-            layer.key_sum.copy_(unit(layer.k[:, :, :filled]).sum(2))
         if cache.policy.keeps_queries:
             layer.queries.normal_()
         if cache.policy.keeps_key_norm:
             layer.score.copy_(layer.k.float().norm(dim=-1))
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
+        if cache.policy.keeps_key_sum:
+            layer.key_sum.copy_(unit_key_sum(layer.k, layer.pos))
         layer.next_slot.fill_(min(filled, cache.slots - 1))
 
 

@@ -145,6 +145,11 @@ def unit(k):
     return F.normalize(k.float(), dim=-1)
 
 
+def unit_key_sum(k, pos):
+    """The sum of the unit vectors of the keys held (pos >= 0): [B, H_kv, S, D] -> [B, H_kv, D] fp32."""
+    return (unit(k) * (pos >= 0)[..., None]).sum(2)
+
+
 def rule_score(p: "Policy", c: "Layer", now):
     """The eviction score (lowest goes) of the rules scored in PyTorch, over the slots of c (a cache layer,
     or a prompt seen as one): the oldest position (StreamingLLM); a fresh hash per step (random); the
@@ -328,7 +333,7 @@ class KVCache:
         if p.keeps_vnorm:
             c.vnorm[rows, :, :T] = kernel.l1_norm(v)
         if p.keeps_key_sum:
-            c.key_sum[rows] = (unit(k) * (pos >= 0)[..., None]).sum(2)
+            c.key_sum[rows] = unit_key_sum(k, pos)
         # prompts are right-padded, so the lowest empty slot is just past the tokens kept
         c.next_slot[rows] = (c.pos[rows] >= 0).sum(-1)
         return out
@@ -364,7 +369,7 @@ class KVCache:
         else:  # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
             prompt = replace(layer, k=k, v=v, pos=pos, score=k.float().norm(dim=-1))
             if p.keeps_key_sum:
-                prompt.key_sum = (unit(k) * (pos >= 0)[..., None]).sum(2)
+                prompt.key_sum = unit_key_sum(k, pos)
             if p.keeps_queries:
                 prompt.queries = last_queries(q, pos[:, 0])[0]
             score = rule_score(p, prompt, pos.amax((1, 2)))
@@ -383,14 +388,18 @@ def last_queries(q, positions, n: int = RKV_QUERIES):
     return q.gather(2, idx[:, None, :, None].expand(R, Hq, n, D)), positions.gather(1, idx) % n
 
 
+def padding_last(positions):
+    """Positions for causal masks with padding (-1) at "infinity": real queries never see it, padding queries
+    see everything, so their (discarded) outputs stay finite instead of a NaN that would leak through 0 * NaN."""
+    return torch.where(positions < 0, torch.iinfo(positions.dtype).max, positions)
+
+
 def prefill_attention(q, k, v, positions, chunk: int = 1024):
     """Causal attention by position, padding masked, a chunk of queries at a time so a long prompt never
     holds a T x T score matrix. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]; positions: [B, T]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H_q, T, D]
-    # padding sits at position "infinity": real queries never see it, padding queries see everything,
-    # so their (discarded) outputs stay finite instead of a NaN that would leak through 0 * NaN
-    eff = torch.where(positions < 0, torch.iinfo(positions.dtype).max, positions)  # [B, T]
+    eff = padding_last(positions)  # [B, T]
     outs = []
     for start in range(0, q.shape[2], chunk):
         end = min(start + chunk, q.shape[2])
@@ -410,7 +419,7 @@ def attention_column_sums(q, k, positions, budget_bytes: int = 2**28):
     B, Hq, T, D = q.shape
     H = k.shape[1]
     q = q.view(B, H, Hq // H, T, D)  # each KV head's query group, so K is never repeated per query head
-    eff = torch.where(positions < 0, torch.iinfo(positions.dtype).max, positions)  # padding: after everything
+    eff = padding_last(positions)
     chunk = max(1, budget_bytes // (2 * 4 * B * Hq * T))  # two fp32 [B, H_q, chunk, T] at a time
     cols = q.new_zeros(B, H, Hq // H, T, dtype=torch.float32)
     for start in range(0, T, chunk):

@@ -760,6 +760,8 @@ def fidelity_main(argv):
         write_fidelity_table([read_json(path(*r)) for r in runs], out_dir)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:
+        interrupted(f"every finished budget is in {args.out}; the same command resumes with the rest")
 
 
 def fidelity_runs(specs: list[str]) -> list[tuple[str, int, str]]:
@@ -830,6 +832,15 @@ def main(argv=None):
         run_main(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:
+        interrupted(f"every finished generation is in {args.out}; the same command resumes with the rest")
+
+
+def interrupted(what: str):
+    """Ctrl-C: one line on stderr and exit status 130, as a shell reports an interrupted command."""
+    import sys
+    print(f"\ninterrupted: {what}", file=sys.stderr)
+    sys.exit(130)
 
 
 def chosen_protocol(args) -> Protocol:
@@ -858,27 +869,30 @@ def run_main(args):
     items = items[:args.limit]
     out_dir = Path(args.out)
     paths = [run_file(out_dir, args.data, *run) for run in runs]
-    locks = [lock_run(path) for path in paths]  # every run locked before anything runs, held until the end
-    summaries, llm = [], None
-    for (policy, budget, rule), path in zip(runs, paths):
-        if llm is None:
-            llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
-        llm.set_policy(budget, policy, prompt_compression=rule)
-        sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
-        check_settings(path, dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
-                                  suffix=proto.suffix, max_new_tokens=proto.max_new_tokens,
-                                  prompt_tokens=proto.prompt_tokens, answer=proto.answer, sampling=sampling,
-                                  seed=args.seed, retrieval_words=args.retrieval_words))
-        summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size)
-        summary_path = path.with_suffix(".summary.json")
-        if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
-            before = read_json(summary_path) or {}
-            summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
-        summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
-                              model=args.model, protocol=args.protocol, sampling=sampling))
-        write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
-    write_table(summaries, out_dir)
-    del locks
+    locks = [lock_run(path) for path in paths]  # every run locked before anything runs
+    try:
+        summaries, llm = [], None
+        for (policy, budget, rule), path in zip(runs, paths):
+            if llm is None:
+                llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
+            llm.set_policy(budget, policy, prompt_compression=rule)
+            sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
+            check_settings(path, dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
+                                      suffix=proto.suffix, max_new_tokens=proto.max_new_tokens,
+                                      prompt_tokens=proto.prompt_tokens, answer=proto.answer, sampling=sampling,
+                                      seed=args.seed, retrieval_words=args.retrieval_words))
+            summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size)
+            summary_path = path.with_suffix(".summary.json")
+            if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
+                before = read_json(summary_path) or {}
+                summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
+            summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
+                                  model=args.model, protocol=args.protocol, sampling=sampling))
+            write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
+        write_table(summaries, out_dir)
+    finally:  # also when interrupted: an eval.py inside a longer Python session must not keep them
+        for handle in locks:
+            handle.close()
 
 
 if __name__ == "__main__":

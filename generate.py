@@ -746,6 +746,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

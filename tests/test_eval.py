@@ -56,8 +56,8 @@ def test_a_finished_run_run_again_keeps_its_measured_speed_and_kv_bytes(checkpoi
 
 def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_them(checkpoints, tmp_path,
                                                                                   monkeypatch):
-    """Grading the third finished generation fails (as if the run were killed there): the first two are
-    already on disk, and the resumed run adds the others once each."""
+    """Ctrl-C while grading the third finished generation: the first two are already on disk, and the
+    resumed run adds the others once each."""
     data, out = write_data(tmp_path), tmp_path / "runs"
     real_grade, calls = ev.grade, []
 
@@ -67,8 +67,9 @@ def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_t
             raise KeyboardInterrupt
         return real_grade(*args)
     monkeypatch.setattr(ev, "grade", grade_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stop:  # Ctrl-C: one line and exit status 130
         run_eval(checkpoints, data, out)
+    assert stop.value.code == 130
     assert len((out / "mini_full_all.jsonl").read_text().splitlines()) == 2
     monkeypatch.setattr(ev, "grade", real_grade)
     run_eval(checkpoints, data, out)

@@ -232,7 +232,9 @@ def test_fbox_and_boxed_without_braces_are_read():
 def test_an_unclosed_last_box_falls_back_to_the_last_closed_one():
     assert ev.extract_boxed("\\boxed{3} then \\boxed{\\frac{1}{") == "3"
     assert ev.extract_boxed("\\boxed{3} then \\boxed{4}", "first") == "3"  # the LongFlow scripts' rule
-    assert ev.is_correct("\\boxed{3} then \\boxed{4}", "3", "first") and not ev.is_correct("\\boxed{3} then \\boxed{4}", "3")
+    two = "\\boxed{3} then \\boxed{4}"
+    assert ev.is_correct(two, "3", "first") and not ev.is_correct(two, "3")
+    assert ev.extract_boxed("\\boxed{3 then \\boxed{4}", "first") is None  # acc.py: a first box that never closes
     assert ev.extract_boxed("\\boxed{\\frac{1}{2}") is None
 
 
