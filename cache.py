@@ -36,6 +36,7 @@ class Policy:
     n_sink: int = 0  # the first n_sink positions are never evicted
     window: int = 0  # nor the `window` most recent tokens
     window_share: float = 0  # default window: this share of the budget left after the sinks
+    name: str = ""  # its key in POLICIES (set below), which the statistics name
 
     @property
     def keeps_vnorm(self) -> bool:  # ||v||_1 per slot, stored with the token: for the rules scored with it
@@ -84,6 +85,7 @@ POLICIES = {
     "random": Policy("random", per_head=True),
     "knorm": Policy("knorm", per_head=True),
 }
+POLICIES = {name: replace(p, name=name) for name, p in POLICIES.items()}
 
 
 def check_prompt_rule(rule: str):
@@ -96,10 +98,13 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, window: int | None = None,
+def resolve_policy(name: str | None, budget: int | None, n_sink: int | None = None, window: int | None = None,
                    prompt_rule: str = "snapkv") -> Policy:
-    """The named policy with its protections in slots (its defaults, or the caller's), checked against
-    the budget. Raises a clear error for a policy, rule or budget that cannot work."""
+    """The named policy (None: longflow with a budget, full without) with its protections in slots (its
+    defaults, or the caller's), checked against the budget. Raises a clear error for a policy, rule or
+    budget that cannot work, and for settings that would be ignored: a budget for the full cache, or an
+    evicting policy, sinks or a window without a budget."""
+    name = name if name is not None else "longflow" if budget is not None else "full"
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     check_prompt_rule(prompt_rule)
@@ -109,13 +114,19 @@ def resolve_policy(name: str, budget: int | None, n_sink: int | None = None, win
         if value is not None and (not is_int(value) or value < 0):
             raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
     p = POLICIES[name]
+    if p.rule == "fill" and (budget is not None or n_sink is not None or window is not None):
+        raise ValueError("the full policy keeps every token: it takes no budget, sinks or window (drop them, "
+                         "or name a policy that evicts)")
+    if p.rule != "fill" and budget is None:
+        raise ValueError(f"policy {name!r} evicts tokens to stay within a budget: give the budget (KV slots "
+                         f"per sequence), or use the full policy to keep every token")
     n_sink = p.n_sink if n_sink is None else n_sink
     if window is None:
-        window = int(p.window_share * (budget - n_sink)) if p.window_share and budget else p.window
+        window = int(p.window_share * (budget - n_sink)) if p.window_share else p.window
     # a compressed prompt keeps the sinks, and the last SNAPKV_WINDOW tokens which cover the recent window
     # when it is shorter; the new token needs one more slot
     need = n_sink + max(SNAPKV_WINDOW, window) + 1
-    if budget is not None and p.rule != "fill" and budget < need:
+    if p.rule != "fill" and budget < need:
         raise ValueError(f"budget {budget} is too small: {n_sink} sinks, the last {max(SNAPKV_WINDOW, window)} "
                          f"tokens (the {SNAPKV_WINDOW}-token prompt window or the {window}-token recent window) "
                          f"and the new token need at least {need} slots")
@@ -226,7 +237,9 @@ class Layer:
 class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
                  prompt_rule: str = "snapkv"):
-        self.policy = resolve_policy(policy, slots) if isinstance(policy, str) else policy
+        if isinstance(policy, str):  # a name: its protections sized for these slots
+            policy = resolve_policy(policy, None if policy == "full" else slots)
+        self.policy = policy
         check_prompt_rule(prompt_rule)
         self.prompt_rule, self.slots = prompt_rule, slots
         self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]

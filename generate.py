@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import POLICIES, KVCache, Policy, hash32, is_int, resolve_policy
+from cache import POLICIES, PROMPT_RULES, KVCache, Policy, hash32, is_int, resolve_policy
 from model import MLP_TOKENS, Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
@@ -319,16 +319,35 @@ class Stats:
     setup_s: float  # compiling the step and capturing its graph (0 when reused)
     prefill_s: float
     decode_s: float
+    policy: str  # the eviction rule, "full" for none
     slots: int  # KV slots per sequence and layer
     kv_bytes: int
-    full_kv_bytes: int  # what a cache holding every token of every sequence would need at the end
+    full_kv_bytes: int  # what a full cache for the same rows would need: each holding the longest sequence
 
     def line(self) -> str:
         rate = self.generated_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+        kv = f"KV cache {self.policy}, {self.slots} slots/seq, {self.kv_bytes / 2**20:.1f} MiB"
+        if self.policy != "full":
+            kv += f" (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)"
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok in "
                 f"{self.prefill_s + self.decode_s:.2f} s ({rate:.1f} tok/s, batch {self.batch}; prefill "
-                f"{self.prefill_s:.2f} s, compile {self.setup_s:.1f} s); KV cache {self.slots} slots/seq, "
-                f"{self.kv_bytes / 2**20:.1f} MiB (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)")
+                f"{self.prefill_s:.2f} s, compile {self.setup_s:.1f} s); {kv}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a generation: what was generated so far (ids per prompt, as Engine.generate returns
+    them) and its statistics, so that nothing finished is lost."""
+
+    def __init__(self, outputs: list, stats: Stats):
+        super().__init__()
+        self.outputs, self.stats = outputs, stats
+
+
+@dataclass
+class Progress:
+    """A run's outputs so far (per prompt) and its prefill time: what Interrupted reports."""
+    outs: list
+    prefill_s: float = 0.0
 
 
 class Engine:
@@ -338,20 +357,24 @@ class Engine:
     seen at the next sync), the next waiting prompt is prefilled into its row of the cache and
     decoding goes on; the captured step never notices."""
 
-    def __init__(self, model: Transformer, compile=True, sync_every=16):
+    def __init__(self, model: Transformer, compile=True, sync_every=16, allow_long_context=False):
+        """allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise:
+        RoPE positions past the trained context give garbage)."""
         assert 0 < sync_every < RING
         self.model, self.compile, self.sync_every = model, compile, sync_every
+        self.allow_long_context = allow_long_context
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
-                 budget: int | None = None, policy: str | Policy = "longflow",
+                 budget: int | None = None, policy: str | Policy | None = None,
                  sampling: Sampling | list[Sampling] = Sampling(), seed: int | list[int] | None = None,
                  batch_size: int | None = None, on_tokens=None, prompt_rule: str = "snapkv",
                  on_done=None) -> tuple[list[list[int]], Stats]:
         """Generate for token-id prompts; returns the new ids of each (EOS included when produced)
-        and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy. sampling: one
+        and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy (None: longflow
+        with a budget, full without). sampling: one
         Sampling for all prompts or one per prompt (rows with different settings share the batch).
         batch_size: rows decoded together (default: all prompts, or as many as fit).
         on_tokens(new_ids) streams the first prompt's output; on_done(index, new_ids) is called as each
@@ -365,11 +388,13 @@ class Engine:
             seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
         if len(seed) != len(prompts) or not all(map(is_int, seed)):
             raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
+        if not all(-2**63 <= s < 2**63 for s in seed):  # the decode step keeps them in an int64 tensor
+            raise ValueError(f"a seed must fit in 64 bits (-2**63 <= seed < 2**63); got {max(seed, key=abs)}")
         return drain(self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy,
                                  prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens, on_done=on_done))
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]], budget: int | None = None,
-              policy: str | Policy = "longflow", batch_size: int | None = None, prompt_rule: str = "snapkv",
+              policy: str | Policy | None = None, batch_size: int | None = None, prompt_rule: str = "snapkv",
               on_dists=None) -> tuple[list[list[tuple[int, float, int]]], Stats]:
         """Teacher forcing: prefill each prompt (compressed as generate would), then feed its continuation
         one token at a time through the same decode step, evicting as generation would. Returns, per
@@ -378,7 +403,7 @@ class Engine:
         index .. index + n - 1 as they are computed (it costs a [B, RING, V] buffer)."""
         return drain(self.score_steps(prompts, continuations, budget, policy, batch_size, prompt_rule, on_dists))
 
-    def score_steps(self, prompts, continuations, budget=None, policy="longflow", batch_size=None,
+    def score_steps(self, prompts, continuations, budget=None, policy=None, batch_size=None,
                     prompt_rule="snapkv", on_dists=None):
         """score, as a generator that yields after every host sync and returns score's result: several
         engines advanced in turn score in lock-step (eval.py's fidelity compares their distributions
@@ -404,11 +429,15 @@ class Engine:
         tokens each prompt produces at most."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
-        if isinstance(policy, str):
+        if not isinstance(policy, Policy):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
+        if (budget is None) != (policy.rule == "fill"):
+            raise ValueError(f"policy {policy.name or policy.rule!r} and budget {budget} do not go together: an "
+                             f"evicting policy needs a budget, the full policy takes none")
+        self._check_context(prompts, limits)
         longest = max(map(len, prompts))
-        if budget is None or policy.rule == "fill":  # no compression: room for every token
-            policy, budget = POLICIES["full"], longest + max(limits)
+        if budget is None:  # no compression: room for every token
+            budget = longest + max(limits)
         dists = 4 * RING * self.model.cfg.vocab_size if on_dists else 0  # bytes per row of Forcing.dists
         batch = self._batch_size(batch_size, len(prompts), budget, longest, dists)
         t0 = sync_time(self.device)
@@ -416,15 +445,32 @@ class Engine:
         self._prepare(batch, budget, policy, prompt_rule, "sample" if sampling else mode)
         self.stepper.hot = bool(sampling) and any(s.temperature > 0 for s in sampling)
         t1 = sync_time(self.device)
-        outs, prefill_s = yield from self._run(prompts, limits, eos, seed, sampling, on_tokens, on_done,
-                                               continuations, on_dists)
-        t2 = sync_time(self.device)
-        cfg = self.model.cfg
-        every_token = sum(len(p) + len(o) for p, o in zip(prompts, outs))
-        full = KVCache.bytes_needed(cfg, 1, every_token, self.dtype, POLICIES["full"])
-        stats = Stats(sum(map(len, prompts)), sum(map(len, outs)), batch, t1 - t0, prefill_s,
-                      t2 - t1 - prefill_s, budget, KVCache.bytes_needed(cfg, batch, budget, self.dtype, policy), full)
-        return outs, stats
+        run = Progress([[] for _ in prompts])
+        stats = lambda: self._stats(prompts, run, batch, t1 - t0, sync_time(self.device) - t1, budget, policy)
+        try:
+            yield from self._run(run, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations,
+                                 on_dists)
+        except KeyboardInterrupt:
+            raise Interrupted(run.outs, stats()) from None
+        return run.outs, stats()
+
+    def _stats(self, prompts, run: Progress, batch, setup_s, seconds, slots, policy) -> Stats:
+        cfg, outs = self.model.cfg, run.outs
+        longest = max(len(p) + len(o) for p, o in zip(prompts, outs))  # what a full cache of these rows holds
+        return Stats(sum(map(len, prompts)), sum(map(len, outs)), batch, setup_s, run.prefill_s,
+                     seconds - run.prefill_s, policy.name or policy.rule, slots,
+                     KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy),
+                     KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"]))
+
+    def _check_context(self, prompts, limits):
+        """Refuse sequences longer than the model's trained context, unless allowed."""
+        limit = self.model.cfg.max_position_embeddings
+        i = max(range(len(prompts)), key=lambda i: len(prompts[i]) + limits[i])
+        if limit and not self.allow_long_context and len(prompts[i]) + limits[i] > limit:
+            raise ValueError(f"prompt ({len(prompts[i])} tokens) + new tokens ({limits[i]}) = "
+                             f"{len(prompts[i]) + limits[i]} positions, past the model's max_position_embeddings "
+                             f"{limit} (RoPE beyond its trained context gives garbage); shorten them, or allow it "
+                             f"explicitly (--allow-long-context, LLM(allow_long_context=True))")
 
     def free_bytes(self) -> int:
         """Free GPU memory, counting the current cache, which is given back before a new one is made."""
@@ -443,7 +489,8 @@ class Engine:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if need > ram:
                 raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.1f} GiB, more than "
-                                 f"this machine's {ram / 2**30:.1f} GiB; lower --max-new-tokens or --budget")
+                                 f"this machine's {ram / 2**30:.1f} GiB; lower the batch size ({batch}), "
+                                 f"--max-new-tokens or --budget")
             return batch
         free = self.free_bytes()
         fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra)
@@ -475,13 +522,13 @@ class Engine:
         self.stepper = Stepper(self.model, self.cache, self.state, self.mode, self.compile)
         self.key = key
 
-    def _run(self, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations, on_dists):
+    def _run(self, run: Progress, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations,
+             on_dists):
         """Decode until every prompt is done, refilling rows as they free up, yielding after each host sync.
-        Returns (outputs, prefill s): per prompt its tokens, or with teacher forcing its (token, logprob,
-        argmax) records."""
+        Fills run.outs: per prompt its tokens, or with teacher forcing its (token, logprob, argmax) records."""
         B = self.state.tokens.shape[0]
         self.state.count.zero_()
-        outs = [[] for _ in prompts]
+        outs = run.outs
         serving = [None] * B  # the prompt each row decodes for
         waiting = deque(range(len(prompts)))
         token = (lambda r: r[0]) if continuations else (lambda r: r)
@@ -492,7 +539,7 @@ class Engine:
             if on_done:
                 on_done(p, outs[p])
 
-        prefill_s, steps_read = 0.0, 0
+        steps_read = 0
         while True:
             while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
                 rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
@@ -504,16 +551,17 @@ class Engine:
                     serving[b] = p
                     if done(p):
                         release(b, p)
-                prefill_s += sync_time(self.device) - t
+                run.prefill_s += sync_time(self.device) - t
             if on_tokens:
                 on_tokens(outs[0])
             if all(p is None for p in serving):
-                return outs, prefill_s
+                return
             for _ in range(self.sync_every):
                 self.stepper()
-            # the one host sync every sync_every steps (its index and copy are freed at once, so the memory
-            # in use stays the same from the first token to the last: bench.py --validate asserts it)
-            cols = torch.arange(steps_read, steps_read + self.sync_every, device=self.device) % RING
+            # the one host sync every sync_every steps. Its index lives on the host and the device copies are
+            # freed at once, so the GPU memory in use stays the same from the first token to the last (bench.py
+            # --validate asserts it; an index kept on the GPU until the next sync added one block after the first)
+            cols = torch.arange(steps_read, steps_read + self.sync_every) % RING
             new = self.state.history[:, cols].tolist()
             if continuations:
                 new = self.mode.read(cols, new)
@@ -648,64 +696,116 @@ def positive_int(text: str) -> int:
     return value
 
 
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help appends each option's default, unless its help already says it or there is none to show (None,
+    or the off state of a flag)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and the defaults shown in --help."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=ShowDefaults, **kwargs)
+
     def error(self, message):  # one line instead of argparse's usage block
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+DEFAULT_PROMPT = "Briefly, why is the sky blue?"
 
 
 def parse_args(argv=None):
     p = Parser(prog="generate.py", description="Generate text with LongFlow KV-cache compression.")
     p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face id or local folder")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", help="a file whose whole content is the prompt")
+    src.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt text")
+    src.add_argument("--prompt-file", help="a file whose whole content is the prompt ('-': standard input)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when it has one)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="let Qwen3 think before answering (its chat template's enable_thinking)")
     p.add_argument("--budget", type=positive_int, default=None,
                    help="KV slots per sequence and layer (default: keep every token)")
-    p.add_argument("--policy", default="longflow", help=f"one of {', '.join(POLICIES)}")
-    p.add_argument("--sinks", type=int, default=None, help="first tokens never evicted (default: the policy's)")
-    p.add_argument("--window", type=int, default=None, help="recent tokens never evicted (default: the policy's)")
-    p.add_argument("--prompt-compression", default="snapkv", help="snapkv, streaming, or decode (the policy's rule)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=512)
-    p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
+                   help=f"the eviction rule, one of {', '.join(POLICIES)} (default: longflow with --budget, "
+                        f"full without)")
+    p.add_argument("--sinks", type=non_negative_int, default=None,
+                   help="first tokens never evicted (default: the policy's)")
+    p.add_argument("--window", type=non_negative_int, default=None,
+                   help="recent tokens never evicted (default: the policy's)")
+    p.add_argument("--prompt-compression", default=None, choices=PROMPT_RULES,
+                   help="how a prompt longer than --budget is cut: snapkv, streaming, or decode (the policy's "
+                        "rule); default: snapkv")
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens generated at most")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let prompt + new tokens run past the model's max_position_embeddings")
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default: generation_config.json)")
+    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json")
+    p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="divide the logits of ids already seen (transformers' definition); default: "
                         "generation_config.json, else 1 (none)")
     p.add_argument("--batch-size", type=batch_size, default=1,
                    help="sequences generated together, or 'max': as many as fit in GPU memory")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     return p.parse_args(argv)
 
 
+def check_policy_args(args):
+    """Settings that would be ignored are refused, each with what to add or drop."""
+    if args.budget is None:
+        given = [f"--{name}" for name, value in (("policy", args.policy), ("sinks", args.sinks), ("window", args.window),
+                                                 ("prompt-compression", args.prompt_compression))
+                 if value is not None and not (name == "policy" and value == "full")]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to a cache with "
+                             f"a budget: add --budget N (KV slots per sequence) or drop {'them' if len(given) > 1 else 'it'}")
+    elif args.policy == "full":
+        raise ValueError("--policy full keeps every token: drop --budget, or pick a policy that evicts")
+
+
 def read_prompt(args) -> str:
+    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text."""
     if args.prompt_file is None:
-        return args.prompt if args.prompt is not None else "Briefly, why is the sky blue?"
+        return args.prompt
+    name = "standard input" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
     try:
-        with open(args.prompt_file) as f:
+        if args.prompt_file == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(args.prompt_file, encoding="utf-8") as f:
             return f.read()
     except OSError as e:
-        raise FileNotFoundError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+        raise FileNotFoundError(f"cannot read {name}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); convert it to "
+                         f"UTF-8") from None
 
 
 def run(args):
+    check_policy_args(args)
     text = read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
-    policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, args.prompt_compression)
+    rule = args.prompt_compression or "snapkv"
+    policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, rule)
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype)
+    if args.chat and tok.template is None:
+        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
     chat = tok.template is not None if args.chat is None else args.chat
     ids = tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
-    engine = Engine(model, compile=not args.no_compile)
+    engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context)
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
+    sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     printed = []
 
     def stream(new_ids, last=False):  # print the text decoded so far, past what is already on screen
@@ -715,24 +815,28 @@ def run(args):
         print(out[len(printed[0]) if printed else 0:], end="", flush=True)
         printed[:] = [out]
 
-    outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy,
-                                  Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p,
-                                                         args.repetition_penalty),
-                                  args.seed, batch,
-                                  on_tokens=stream if batch == 1 else None, prompt_rule=args.prompt_compression)
-    if batch == 1:
-        stream(outs[0], last=True)  # whatever a cut-off character held back
-    else:
-        for i, o in enumerate(outs):
-            print(f"--- sequence {i} ---\n{tok.decode(o)}")
-    print("\n" + stats.line())
+    def show(outs, stats):  # the text (a single sequence has streamed already), then the statistics
+        if batch == 1:
+            stream(outs[0], last=True)  # whatever a cut-off character held back
+        else:
+            for i, o in enumerate(outs):
+                print(f"--- sequence {i} ---\n{tok.decode(o)}")
+        print("\n" + stats.line(), flush=True)
+
+    try:
+        outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy, sampling,
+                                      args.seed, batch, on_tokens=stream if batch == 1 else None, prompt_rule=rule)
+    except Interrupted as stop:  # Ctrl-C: what was generated so far, and its statistics
+        show(stop.outputs, stop.stats)
+        raise
+    show(outs, stats)
 
 
 def max_batch(engine: Engine, args, prompt_len: int) -> int:
     """--batch-size max: the most copies of the prompt whose cache fits for the whole output length."""
     if engine.device.type != "cuda":
         raise ValueError("--batch-size max sizes the batch from free GPU memory; give a number on the CPU")
-    slots = prompt_len + args.max_new_tokens if args.budget is None or args.policy == "full" else args.budget
+    slots = prompt_len + args.max_new_tokens if args.budget is None else args.budget
     fits = batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(), engine.dtype)
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")
@@ -747,8 +851,11 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `generate.py ... | head -1`: the reader has gone, so has the output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from cache import KVCache, Layer
+from cache import KVCache, Layer, is_int
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -37,43 +37,88 @@ class Config:
     qkv_bias: bool  # Qwen2
     qk_norm: bool  # Qwen3
     eos_token_id: list
+    max_position_embeddings: int | None  # the trained context (None: not stated); longer is refused
 
     @classmethod
     def from_dict(cls, c: dict) -> "Config":
+        """The config.json of a supported checkpoint, checked: a clear error for anything tinyflow would
+        misread (wrong types, sizes that cannot work, features it does not run)."""
+        if not isinstance(c, dict):
+            raise ValueError(f"config.json must hold a JSON object, not a {type(c).__name__}")
+        check_types(c)
         kind = c.get("model_type")
         archs = c.get("architectures") or [SUPPORTED.get(kind, kind)]
         if kind not in SUPPORTED or archs[0] not in SUPPORTED.values():
             raise ValueError(f"unsupported model {archs[0]!r} (model_type {kind!r}); tinyflow runs "
                              f"{', '.join(SUPPORTED.values())}")
-        if c.get("use_sliding_window") or (kind == "mistral" and c.get("sliding_window")):
-            raise ValueError("sliding-window attention is not supported; tinyflow runs full attention")
+        # transformers applies the window to the layers that layer_types marks, whatever use_sliding_window says
+        sliding = "sliding_attention" in (c.get("layer_types") or [])
+        if c.get("use_sliding_window") or sliding or (kind == "mistral" and c.get("sliding_window")):
+            raise ValueError("sliding-window attention is not supported (use_sliding_window, layer_types or "
+                             "sliding_window in config.json); tinyflow runs full attention")
         if c.get("mlp_bias"):
             raise ValueError("MLP biases are not supported (mlp_bias is true in config.json)")
         # transformers >= 5 writes `rope_parameters`; checkpoints on the Hub have rope_theta + rope_scaling
-        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: rope_parameters / rope_scaling must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope scaling {rope_type!r}; tinyflow supports none and 'llama3'")
         if rope_type == "llama3" and not set(LLAMA3_KEYS) <= set(rope):
             raise ValueError(f"llama3 rope scaling in config.json lacks {sorted(set(LLAMA3_KEYS) - set(rope))}")
+        if rope_type == "llama3" and not all(is_number(rope[k]) and rope[k] > 0 for k in LLAMA3_KEYS):
+            raise ValueError(f"llama3 rope scaling in config.json: {', '.join(LLAMA3_KEYS)} must be positive numbers")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in c]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
         heads = c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        if heads % kv_heads or head_dim % 2 or (not c.get("head_dim") and c["hidden_size"] % heads):
+            raise ValueError(f"config.json: {heads} attention heads, {kv_heads} KV heads and head_dim {head_dim} "
+                             f"do not fit together (the KV heads must divide the heads, head_dim be even and, "
+                             f"when not given, hidden_size / heads a whole number)")
         eos = c.get("eos_token_id")
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"], n_layers=c["num_hidden_layers"],
-            n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
             rope_scaling={k: rope[k] for k in LLAMA3_KEYS} if rope_type == "llama3" else None,
             tie_embeddings=c.get("tie_word_embeddings", False),
             qkv_bias=kind == "qwen2" or c.get("attention_bias", False),
             qk_norm=kind == "qwen3",
-            eos_token_id=[] if eos is None else eos if isinstance(eos, list) else [eos])
+            eos_token_id=[] if eos is None else eos if isinstance(eos, list) else [eos],
+            max_position_embeddings=c.get("max_position_embeddings"))
+
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_types(c: dict):
+    """config.json's numbers are of the right kind (null counts as absent, as transformers reads it)."""
+    def fail(key, what):
+        raise ValueError(f"config.json: {key} must be {what}, got {c[key]!r}")
+    for key in SIZES:
+        if c.get(key) is not None and not (is_int(c[key]) and c[key] > 0):
+            fail(key, "a positive integer")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if c.get(key) is not None and not (is_number(c[key]) and c[key] > 0):
+            fail(key, "a positive number")
+    for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias"):
+        if c.get(key) is not None and not isinstance(c[key], bool):
+            fail(key, "true or false")
+    eos = c.get("eos_token_id")
+    if eos is not None and not all(is_int(e) and e >= 0 for e in (eos if isinstance(eos, list) else [eos])):
+        fail("eos_token_id", "a token id or a list of them")
 
 
 class RMSNorm(nn.Module):
@@ -213,6 +258,7 @@ HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokeniz
 
 def resolve(name: str) -> str:
     """A local folder as is; anything else is a Hub id, fetched (or found in the local cache)."""
+    name = os.path.expanduser(name)  # `--model=~/dir`: the shell leaves that tilde alone
     if os.path.isdir(name):
         return name
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
@@ -235,11 +281,14 @@ def read_json(folder: str, name: str, required=True) -> dict:
         if required:
             raise FileNotFoundError(f"{path} is missing; is {folder} a Hugging Face model folder?")
         return {}
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(content).__name__}")
+    return content
 
 
 # Projections that read the same input are one matrix in the model, so a decode step runs one GEMM (a GEMV
@@ -286,12 +335,24 @@ def load_weights(model: Transformer, folder: str, device, dtype):
                                          f"{list(params[name].shape)}")
                     with torch.no_grad():
                         params[name].copy_(t.to(dtype))
+                    check_finite(name, file, t, params[name])
                     filled.add(name)
         except SafetensorError as e:  # a truncated or corrupt file
             raise ValueError(f"cannot read weights file {path}: {e}") from None
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
+
+
+def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tensor):
+    """A NaN or inf weight makes every logit NaN (and generation empty): name the tensor instead. One
+    reduction per tensor, a small part of the time reading it takes."""
+    if torch.isfinite(loaded).all():
+        return
+    if torch.isfinite(stored).all():
+        raise ValueError(f"weight {name!r} of {file} overflows {loaded.dtype} (values beyond its range); load "
+                         f"it in another dtype (--dtype bfloat16 or float32)")
+    raise ValueError(f"weight {name!r} of {file} holds NaN or infinite values: the checkpoint is damaged")
 
 
 def empty_model(cfg: Config, device, dtype) -> Transformer:
@@ -319,15 +380,20 @@ class Tokenizer:
         gen = read_json(folder, "generation_config.json", required=False)
         path = os.path.join(folder, "chat_template.jinja")  # newer checkpoints keep the template here
         if os.path.exists(path):
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 self.template = f.read()
         else:
             self.template = tc.get("chat_template")
             if isinstance(self.template, list):  # [{"name": "default", "template": ...}, ...]
-                self.template = next((x["template"] for x in self.template if x["name"] == "default"), None)
+                default = [x for x in self.template if isinstance(x, dict) and x.get("name") == "default"]
+                self.template = default[0].get("template") if default else None
+            if self.template is not None and not isinstance(self.template, str):
+                raise ValueError(f"the chat_template of {folder}/tokenizer_config.json must be a string (a "
+                                 f"Jinja template), got {type(self.template).__name__}")
         # the template's bos_token / eos_token: strings, or {"content": ...} in some tokenizer_config.json files
         special = {k: tc.get(k) for k in ("bos_token", "eos_token")}
         self.special = {k: t.get("content") if isinstance(t, dict) else t for k, t in special.items()}
+        gen = generation_defaults(gen, os.path.join(folder, "generation_config.json"))
         eos = gen.get("eos_token_id", cfg.eos_token_id)
         self.eos_ids = eos if isinstance(eos, list) else [eos]
         self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
@@ -351,7 +417,8 @@ class Tokenizer:
     def render(self, messages: list[dict], enable_thinking=True) -> str:
         """The conversation as the model's chat template writes it, ready for the assistant's turn."""
         if self.template is None:
-            raise ValueError("this model has no chat template; pass plain prompts (--no-chat)")
+            raise ValueError("this model has no chat template (no chat_template.jinja, and none in "
+                             "tokenizer_config.json): give it plain text instead of messages")
 
         def fail(msg):
             raise ValueError(f"chat template: {msg}")
@@ -361,8 +428,27 @@ class Tokenizer:
         # as transformers provides them: JSON without HTML escaping (tool schemas), and today's date (Llama 3.2)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        return env.from_string(self.template).render(
-            messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **self.special)
+        try:
+            return env.from_string(self.template).render(
+                messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **self.special)
+        except ValueError:  # raise_exception's, already a clear message
+            raise
+        except Exception as e:  # the template is a program from the checkpoint: any error is the template's
+            raise ValueError(f"the model's chat template fails ({type(e).__name__}: {e}); fix chat_template.jinja "
+                             f"or tokenizer_config.json's chat_template, or give plain text") from None
+
+
+def generation_defaults(gen: dict, path: str) -> dict:
+    """generation_config.json's settings that tinyflow reads, checked; null means not set (as transformers
+    reads it)."""
+    gen = {k: v for k, v in gen.items() if v is not None}
+    kinds = {"temperature": is_number, "top_p": is_number, "repetition_penalty": is_number, "top_k": is_int,
+             "do_sample": lambda x: isinstance(x, bool),
+             "eos_token_id": lambda x: all(is_int(e) for e in (x if isinstance(x, list) else [x]))}
+    for key, ok in kinds.items():
+        if key in gen and not ok(gen[key]):
+            raise ValueError(f"{path}: {key} has the wrong type ({gen[key]!r}); fix or remove it")
+    return gen
 
 
 def load(name: str, device, dtype) -> tuple[Transformer, Tokenizer]:

@@ -5,11 +5,28 @@
     outs = llm.generate(["What is 17 * 23?"], max_new_tokens=256)
     print(outs[0].text, llm.stats.line())
 """
+import importlib.util
+import operator
+import os
 from dataclasses import dataclass
 
-from cache import resolve_policy
-from generate import Engine, Sampling, Stats, pick_device
-from model import load
+
+def check_own_modules():
+    """tinyflow's files are top-level modules (model, cache, kernel, generate): a file of the same name
+    earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ("cache", "kernel", "model", "generate"):
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec else None
+        if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
+            raise ImportError(f"tinyflow needs its own {name}.py (in {here}) but `import {name}` finds {origin}; "
+                              f"rename that file or run from another folder")
+
+
+check_own_modules()
+from cache import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
+from generate import Engine, Interrupted, Sampling, Stats, pick_device  # noqa: E402
+from model import load  # noqa: E402
 
 
 @dataclass
@@ -26,22 +43,23 @@ class Score:
 
 
 class LLM:
-    def __init__(self, model: str, budget: int | None = None, policy: str = "longflow",
+    def __init__(self, model: str, budget: int | None = None, policy: str | None = None,
                  device=None, dtype=None, compile: bool = True, sinks: int | None = None,
-                 window: int | None = None, prompt_compression: str = "snapkv"):
+                 window: int | None = None, prompt_compression: str = "snapkv", allow_long_context: bool = False):
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
-        to keep every token. policy: "longflow" (one decision per layer, as in the paper),
-        "longflow-head" (per KV head), "full", or another rule of cache.POLICIES (tova, h2o, vatp,
-        streaming, random, knorm). sinks / window: first / most recent tokens never evicted (default:
-        the policy's own). prompt_compression: for prompts longer than the budget, "snapkv",
-        "streaming", or "decode" (the policy's own rule)."""
+        to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
+        a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
+        cache.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm). sinks / window: first /
+        most recent tokens never evicted (default: the policy's own). prompt_compression: for prompts
+        longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
+        allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise)."""
         self.set_policy(budget, policy, sinks, window, prompt_compression)
         self.device, self.dtype = pick_device(device, dtype)
         self.model, self.tokenizer = load(model, self.device, self.dtype)
-        self.engine = Engine(self.model, compile=compile)
-        self.stats: Stats | None = None  # the last call's statistics
+        self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context)
+        self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)
 
-    def set_policy(self, budget: int | None, policy: str = "longflow", sinks: int | None = None,
+    def set_policy(self, budget: int | None, policy: str | None = None, sinks: int | None = None,
                    window: int | None = None, prompt_compression: str = "snapkv"):
         """Switch budget and policy for later calls, keeping the loaded model (arguments as in __init__)."""
         self.policy = resolve_policy(policy, budget, sinks, window, prompt_compression)
@@ -55,13 +73,18 @@ class LLM:
         sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
         take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt.
         ignore_eos: generate max_new_tokens tokens whatever they are. on_output(i, Output) is called as
-        soon as prompt i is finished (outputs come back in prompt order at the end too)."""
+        soon as prompt i is finished (outputs come back in prompt order at the end too). Ctrl-C raises
+        generate.Interrupted, a KeyboardInterrupt holding the ids generated so far; self.stats counts them."""
         ids = self._ids(prompts, "prompts")
         eos = [] if ignore_eos else self.tokenizer.eos_ids
         on_done = (lambda i, o: on_output(i, Output(list(o), self.tokenizer.decode(o)))) if on_output else None
-        outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget, self.policy,
-                                                Sampling(temperature, top_k, top_p, repetition_penalty), seed,
-                                                batch_size, prompt_rule=self.prompt_rule, on_done=on_done)
+        try:
+            outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget, self.policy,
+                                                    Sampling(temperature, top_k, top_p, repetition_penalty), seed,
+                                                    batch_size, prompt_rule=self.prompt_rule, on_done=on_done)
+        except Interrupted as stop:
+            self.stats = stop.stats
+            raise
         return [Output(o, self.tokenizer.decode(o)) for o in outs]
 
     def score(self, prompts, continuations, batch_size: int | None = None) -> list[Score]:
@@ -76,14 +99,34 @@ class LLM:
         return [Score(*map(list, zip(*records))) for records in outs]
 
     def _ids(self, texts, what: str, special: bool = True) -> list[list[int]]:
-        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        """Token ids of each text: a string is tokenized; any sequence of integers (a list, a numpy array, a
+        tensor) is taken as ids."""
+        if isinstance(texts, (str, bytes, dict)) or not hasattr(texts, "__len__"):
             raise TypeError(f"{what} must be a list of strings or of token-id lists, not {type(texts).__name__}")
-        return [self.tokenizer.encode(t, special) if isinstance(t, str) else list(t) for t in texts]
+        return [self.tokenizer.encode(t, special) if isinstance(t, str) else token_ids(t, what) for t in texts]
 
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
         """conversations: a list of conversations, each a list of {"role", "content"} messages (one
         conversation alone is accepted too). Rendered with the model's own chat template."""
-        if conversations and isinstance(conversations[0], dict):
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if not isinstance(conversations, list) or not all(map(is_conversation, conversations)):
+            raise TypeError("chat takes a list of messages ({'role': ..., 'content': ...}), or a list of such "
+                            "lists; for plain text use generate")
         ids = [self.tokenizer.chat(c, enable_thinking) for c in conversations]
         return self.generate(ids, **kwargs)
+
+
+def token_ids(ids, what: str) -> list[int]:
+    """A sequence of integers (list, tuple, numpy array, tensor) as a list of Python ints."""
+    if isinstance(ids, (bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"each of the {what} must be a string or a sequence of token ids, not {type(ids).__name__}")
+    try:
+        return [operator.index(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+    except TypeError:
+        raise ValueError(f"token ids must be integers; {what} hold {ids!r}"[:200]) from None
+
+
+def is_conversation(messages) -> bool:
+    return isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                              and isinstance(m.get("content"), str) for m in messages)

@@ -232,7 +232,7 @@ def test_command_line_end_to_end(checkpoints):
                         "--max-new-tokens", "8", "--budget", "40", "--device", "cpu", "--no-compile"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "generated" in r.stdout and "KV cache 40 slots/seq" in r.stdout
+    assert "generated" in r.stdout and "KV cache longflow, 40 slots/seq" in r.stdout
 
 
 def test_command_line_batch_prints_every_sequence(checkpoints, capsys):
@@ -296,7 +296,7 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config,
     (["--budget", "0"], "positive integer"),
     (["--budget", "1.5"], "positive integer"),
     (["--budget", "8"], "too small"),
-    (["--policy", "magic"], "unknown policy"),
+    (["--policy", "magic"], "invalid choice: 'magic'"),
     (["--max-new-tokens", "0"], "positive integer"),
     (["--prompt", "   "], "prompt is empty"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file"),

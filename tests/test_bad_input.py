@@ -1,0 +1,234 @@
+"""Bad or hostile input, as a new user's trial found it: one clear line and exit status 2 from the command
+line (130 for Ctrl-C), a clear exception from the API, and never a silent no-op or a wrong number."""
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import generate
+import tinyflow
+from cache import POLICIES, KVCache
+from generate import Engine
+from model import load
+from test_generate import ROOT, cli  # the command line run in-process: (exit code, stdout, stderr)
+
+
+def one_line_error(code, err, message):
+    assert code == 2 and err.startswith("error:") and err.count("\n") == 1 and message in err, (code, err)
+
+
+def copy_of(checkpoints, tmp_path, arch="qwen2"):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints[arch], folder)
+    return folder
+
+
+# ---- the checkpoint's files ---------------------------------------------------------------------------
+def edit_json(folder, name, edit):
+    path = folder / name
+    content = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(edit(content)))
+
+
+def update(**values):
+    return lambda c: {**c, **values}
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("config.json", lambda c: [c], "config.json must hold a JSON object, not a list"),
+    ("config.json", update(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+    ("config.json", update(num_hidden_layers=-2), "num_hidden_layers must be a positive integer, got -2"),
+    ("config.json", update(rms_norm_eps="tiny"), "rms_norm_eps must be a positive number"),
+    ("config.json", update(num_key_value_heads=3), "4 attention heads, 3 KV heads and head_dim 16 do not fit"),
+    ("config.json", update(tie_word_embeddings="no"), "tie_word_embeddings must be true or false"),
+    # transformers applies a window to the layers layer_types marks, whatever use_sliding_window says
+    ("config.json", update(use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]),
+     "sliding-window attention is not supported"),
+    ("generation_config.json", lambda c: 3, "generation_config.json must hold a JSON object"),
+    ("generation_config.json", update(do_sample=True, temperature="hot"), "temperature has the wrong type ('hot')"),
+    ("tokenizer_config.json", update(chat_template=5), "chat_template of"),
+])
+def test_a_config_file_of_the_wrong_shape_is_one_clear_line(checkpoints, tmp_path, capsys, name, edit, message):
+    folder = copy_of(checkpoints, tmp_path)
+    edit_json(folder, name, edit)
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")[::2], message)
+
+
+def test_null_in_generation_config_means_not_set(checkpoints, tmp_path, capsys):
+    folder = copy_of(checkpoints, tmp_path)
+    edit_json(folder, "generation_config.json", update(do_sample=True, temperature=None, top_p=None))
+    code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile")
+    assert code == 0 and "generated" in out, err
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda w: w["model.norm.weight"].__setitem__(3, float("nan")), "'model.norm.weight' of model.safetensors "
+                                                                     "holds NaN or infinite values"),
+    (lambda w: w["lm_head.weight"].__setitem__((0, 0), 1e30), "'lm_head.weight' of model.safetensors overflows "
+                                                              "torch.float16"),
+])
+def test_weights_that_are_not_finite_are_named(checkpoints, tmp_path, capsys, damage, message):
+    folder = copy_of(checkpoints, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    damage(weights)
+    save_file(weights, folder / "model.safetensors")
+    dtype = "float16" if "overflows" in message else "float32"
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--dtype", dtype, "--no-compile")[::2],
+                   message)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}{{ m.content }", "the model's chat template fails (TemplateSyntaxError"),
+    ("{{ nothing.here }}", "the model's chat template fails (UndefinedError"),
+    ("{{ messages[0].content + 1 }}", "the model's chat template fails (TypeError"),
+])
+def test_a_broken_chat_template_is_one_clear_line(checkpoints, tmp_path, capsys, template, message):
+    folder = copy_of(checkpoints, tmp_path)
+    edit_json(folder, "tokenizer_config.json", update(chat_template=template))
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")[::2], message)
+    llm = tinyflow.LLM(str(folder), device="cpu", compile=False)
+    with pytest.raises(ValueError, match="chat template fails"):
+        llm.chat([{"role": "user", "content": "Hi"}])
+    assert llm.generate(["Hi"], max_new_tokens=2)  # plain text needs no template
+
+
+def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, tmp_path, capsys):
+    folder = copy_of(checkpoints, tmp_path)
+    edit_json(folder, "tokenizer_config.json", lambda c: {k: v for k, v in c.items() if k != "chat_template"})
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--chat", "--no-compile")[::2], "drop --chat")
+
+
+# ---- the command line ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "tova"], "--policy only applies to a cache with a budget: add --budget N"),
+    (["--sinks", "4", "--window", "8"], "--sinks and --window only apply to a cache with a budget"),
+    (["--prompt-compression", "streaming"], "--prompt-compression only applies"),
+    (["--policy", "full", "--budget", "64"], "--policy full keeps every token: drop --budget"),
+    (["--seed", "99999999999999999999999"], "a seed must fit in 64 bits"),
+    (["--max-new-tokens", "600"], "positions, past the model's max_position_embeddings 512"),
+    (["--sinks", "-1", "--budget", "64"], "expected a non-negative integer"),
+])
+def test_settings_that_would_be_ignored_or_overflow_are_refused(checkpoints, capsys, args, message):
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", *args)[::2],
+                   message)
+
+
+def test_the_stats_line_names_the_policy_and_compares_the_same_rows(checkpoints, capsys):
+    """8 prompts through 2 rows: a full cache for the same 2 rows, each holding the longest sequence, is what
+    the compressed cache is compared with (not one holding every prompt of the run at once)."""
+    model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    prompts = [tok.encode(t) for t in ["Hello world", "The quick brown fox", "2 + 3", "lazy"] * 2]
+    outs, stats = Engine(model, compile=False).generate(prompts, 50, [], 40, batch_size=2)
+    longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
+    assert stats.full_kv_bytes == KVCache.bytes_needed(model.cfg, 2, longest, torch.float32, POLICIES["full"])
+    assert "KV cache longflow, 40 slots/seq" in stats.line() and "a full cache would need" in stats.line()
+    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--max-new-tokens", "4",
+                       "--no-compile")
+    assert code == 0 and "KV cache full," in out and "a full cache would need" not in out
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for default in ("(default: Qwen/Qwen3-0.6B)", "(default: 512)", generate.DEFAULT_PROMPT):
+        assert default in out
+
+
+def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoints, tmp_path, capsys):
+    r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["qwen3"], "--prompt-file", "-",
+                        "--no-chat", "--max-new-tokens", "2", "--device", "cpu", "--no-compile"],
+                       cwd=ROOT, input="Hello world", capture_output=True, text=True, timeout=300)
+    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
+                       "--max-new-tokens", "2", "--no-compile")
+    assert r.returncode == 0 and code == 0, r.stderr
+    assert r.stdout.splitlines()[-1].split(" tok,")[0] == out.splitlines()[-1].split(" tok,")[0]  # same prompt
+    latin1 = tmp_path / "prompt.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen3"], "--prompt-file", latin1)[::2],
+                   f"prompt file {latin1} is not UTF-8 text (byte 3 is 0xe9)")
+
+
+def test_a_model_path_with_a_tilde_is_the_home_folder(checkpoints, tmp_path, capsys, monkeypatch):
+    shutil.copytree(checkpoints["qwen3"], tmp_path / "ckpt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, out, err = cli(capsys, "--model=~/ckpt", "--prompt", "Hi", "--max-new-tokens", "2", "--no-compile")
+    assert code == 0 and "generated" in out, err
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "generate.py", *map(str, args)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_ctrl_c_prints_what_was_generated_and_its_stats_then_exits_130(checkpoints):
+    run = start("--model", checkpoints["llama"], "--prompt", "Hello", "--no-chat", "--budget", "40",
+                "--max-new-tokens", "100000", "--allow-long-context", "--device", "cpu", "--no-compile")
+    first = run.stdout.read(1)  # the stream has begun: the model is generating
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130 and first, err
+    assert "Traceback" not in err and err.strip().endswith("interrupted")
+    assert "generated" in out and "KV cache longflow, 40 slots/seq" in out  # the stats of what was generated
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(checkpoints):
+    """`generate.py ... | head -c 1`: the pipe closes while text is still streaming."""
+    run = start("--model", checkpoints["llama"], "--prompt", "Hello", "--no-chat", "--max-new-tokens", "200",
+                "--device", "cpu", "--no-compile")
+    run.stdout.read(1)
+    run.stdout.close()
+    err = run.stderr.read()
+    assert run.wait(timeout=120) == 1 and err == "", err
+
+
+# ---- the API -----------------------------------------------------------------------------------------------
+def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belongs(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    ids = [5, 6, 7]
+    want = llm.generate([ids], max_new_tokens=4)
+    for same in (np.array(ids), torch.tensor(ids), tuple(ids), [np.int64(i) for i in ids]):
+        assert llm.generate([same], max_new_tokens=4) == want
+    with pytest.raises(TypeError, match="chat takes a list of messages"):
+        llm.chat("hello")  # not five conversations, one per character
+    with pytest.raises(TypeError, match="not dict"):
+        llm.generate({"a": "Hi"})  # not a generation for each key
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.generate([np.array([1.5, 2.0])])
+    with pytest.raises(ValueError, match="a seed must fit in 64 bits"):
+        llm.generate(["Hi"], seed=2**63)
+
+
+def test_api_policy_and_budget_must_go_together(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)  # no budget: the full cache
+    assert llm.policy.name == "full"
+    llm.set_policy(40)  # a budget alone: LongFlow
+    assert llm.policy.name == "longflow"
+    with pytest.raises(ValueError, match="policy 'tova' evicts tokens .* give the budget"):
+        llm.set_policy(None, "tova")
+    with pytest.raises(ValueError, match="the full policy keeps every token"):
+        llm.set_policy(40, "full")
+    with pytest.raises(ValueError, match="the full policy keeps every token"):
+        llm.set_policy(None, sinks=4)
+
+
+def test_context_past_max_position_embeddings_only_when_allowed(checkpoints):
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ new tokens \(500\) = 520 positions"):
+        Engine(model, compile=False).generate([[1] * 20], 500, [], 40)
+    outs, _ = Engine(model, compile=False, allow_long_context=True).generate([[1] * 20], 500, [], 40)
+    assert len(outs[0]) == 500
+    with pytest.raises(ValueError, match="max_position_embeddings 512"):  # teacher forcing counts the same way
+        Engine(model, compile=False).score([[1] * 20], [[2] * 500])
+
+
+def test_a_batch_too_large_for_memory_names_the_batch_size(checkpoints):
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=r"lower the batch size \(1000000\)"):
+        Engine(model, compile=False)._batch_size(10**6, 10**6, 10**6, 10)
