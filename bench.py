@@ -13,10 +13,18 @@ Decode is memory-bound: a step must read every weight once and every cached K/V 
 floor = (weight bytes + KV bytes) / copy bandwidth, with the bandwidth measured here by a large
 device-to-device copy. With --shape the weights are random (bf16) of that model's real shape: speed does
 not depend on the values, and no checkpoint can be downloaded on the benchmark machine.
+
+Bad or unused options are refused in one line before anything runs. --json writes strict JSON (null for a
+figure that does not exist, such as peak memory on a CPU), also of a run stopped by Ctrl-C: the rows measured
+until then, with "complete": false.
 """
 import argparse
+import importlib.util
+import itertools
 import json
 import math
+import os
+import sys
 import time
 
 import torch
@@ -24,9 +32,10 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import kernel
-from cache import KVCache, unit_key_sum
-from eval import ProgressBar  # the live bar of eval.py (tqdm, when installed)
-from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
+from cache import POLICIES, KVCache, resolve_policy, unit_key_sum
+from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
+from generate import (Engine, Parser, Sampler, State, Stepper, batch_that_fits, non_negative_int, pick_device,
+                      positive_int, sync_time)
 from model import Config, empty_model, load
 
 SHAPES = {
@@ -63,6 +72,12 @@ def copy_bandwidth(device) -> float:
 
 def peak_gib(device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device):
+    """Start a new peak: each row reports its own, not the largest of the rows before it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
 
 def graph_time(fn, reps: int = 20, rounds: int = 15) -> float:
@@ -118,8 +133,7 @@ def bench_kernel(args, bw, _):
         for r in rows:
             if r["batch"] == B:
                 r["vs_no_selection"] = r["us"] / base - 1
-                progress(r)
-    return rows
+                finished(r)
 
 
 # ---- the decode step at a given cache fill --------------------------------------------------------------
@@ -153,7 +167,10 @@ class StepTimer:
     def __init__(self, model, policy: str, batch: int, slots: int, compile: bool):
         self.model, self.policy, self.batch, self.slots = model, policy, batch, slots
         self.device, self.dtype = model.inv_freq.device, model.model.norm.weight.dtype
-        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, policy)
+        reset_peak(self.device)
+        # the full cache has no budget: its slots are simply room for every token
+        resolved = resolve_policy(policy, None if policy == "full" else slots)
+        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, resolved)
         self.state = State.empty(batch, self.device)
         t = time.perf_counter()
         sampler = Sampler.empty(batch, model.cfg.vocab_size, self.device)  # greedy rows, as the step runs any
@@ -225,17 +242,14 @@ def slots_for(policy: str, args) -> int:
 
 def bench_step(args, bw, model):
     """Steady state: every slot of a LongFlow cache filled; a full cache holding --context tokens."""
-    rows = []
     for policy in args.policy:
         for B in args.batch:
             slots = args.budget if policy != "full" else args.context + 64
             timer = StepTimer(model, policy, B, slots, args.compile)
-            rows.append(step_row(timer, args.budget if policy != "full" else args.context, bw, workload="step"))
-            progress(rows[-1])
+            finished(step_row(timer, args.budget if policy != "full" else args.context, bw, workload="step"))
             if args.profile:
                 timer.profile()
             timer.free()
-    return rows
 
 
 def bench_throughput(args, bw, model):
@@ -248,6 +262,9 @@ def bench_throughput(args, bw, model):
         fits = None
         if args.device.type == "cuda":
             fits = batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0], args.dtype)
+        if not args.batch and fits == 0:
+            raise ValueError(f"not even one sequence of {slots} KV slots ({policy}) fits in free GPU memory; "
+                             f"lower --budget, --prompt-len or --new-tokens")
         for B in args.batch or [fits]:
             timer = StepTimer(model, policy, B, slots, args.compile)
             if policy == "full":
@@ -264,12 +281,11 @@ def bench_throughput(args, bw, model):
                              compile_s=timer.compile_s))
             if args.validate:
                 rows[-1].update(validate(args, model, timer, policy, B))
-            progress(rows[-1])
+            finished(rows[-1])
             timer.free()
     by = {r["policy"]: r["tokens_per_s"] for r in rows}
     if "longflow" in by and "full" in by:
         print(f"longflow / full throughput: {by['longflow'] / by['full']:.2f}x")
-    return rows
 
 
 def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
@@ -281,7 +297,7 @@ def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
     predicted = run_mean([timer.seconds_per_step(f) for f in fills])
     timer.free()  # the engine allocates its own cache of the same size
     prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
-    engine = Engine(model, compile=args.compile)
+    engine = new_engine(model, args)
     seen = []  # (GPU memory, graphs compiled so far) at every host sync of the run, from the first token on
     memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
     with TokenBar(n, f"validate {policy}, batch {B}") as bar:
@@ -315,42 +331,42 @@ def run_mean(values: list[float]) -> float:
 
 
 # ---- end to end -----------------------------------------------------------------------------------------
+def new_engine(model, args) -> Engine:
+    """An engine that runs past the model's trained context: the tokens here are random, only their number
+    counts (a 128k prompt on a checkpoint trained for 128k would be refused for its new tokens)."""
+    return Engine(model, compile=args.compile, allow_long_context=True)
+
+
 def bench_generate(args, bw, model):
     """Whole runs through the engine (prefill, compiled graph-replayed step, host syncs), for checking
     the step timings above against reality."""
-    rows = []
-    engine = Engine(model, compile=args.compile)
+    engine = new_engine(model, args)
     for policy in args.policy:
         for B in args.batch or [1]:
             prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
             budget = args.budget if policy != "full" else None
+            reset_peak(args.device)
             with TokenBar(args.new_tokens, f"{policy}, batch {B}") as bar:
                 outs, st = engine.generate(prompts, args.new_tokens, [], budget, policy, seed=0, on_tokens=bar)
             assert all(len(o) == args.new_tokens for o in outs)
-            rows.append(dict(workload="generate", policy=policy, batch=B, new_tokens=args.new_tokens,
-                             compile_s=st.setup_s, prefill_s=st.prefill_s,
-                             tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
-                             ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
-            progress(rows[-1])
-    return rows
+            finished(dict(workload="generate", policy=policy, batch=B, new_tokens=args.new_tokens,
+                          compile_s=st.setup_s, prefill_s=st.prefill_s,
+                          tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
+                          ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
 
 
 def bench_long_prompt(args, bw, model):
     """The KVPress case: one --prompt-len prompt (default 128k) compressed at prefill to half its length
     and to --budget, against the full cache; peak memory and decode speed."""
-    rows = []
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len)).tolist()
-    engine = Engine(model, compile=args.compile)
+    engine = new_engine(model, args)
     for name, budget in [("full", None), ("50%", args.prompt_len // 2), (f"budget {args.budget}", args.budget)]:
-        if args.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak(args.device)
         _, st = engine.generate(prompt, args.new_tokens, [], budget, "longflow" if budget else "full", seed=0)
-        rows.append(dict(workload="long-prompt", cache=name, prompt_tokens=args.prompt_len, slots=st.slots,
-                         prefill_s=st.prefill_s, decode_tokens_per_s=(args.new_tokens - 1) / st.decode_s,
-                         peak_gib=peak_gib(args.device)))
-        progress(rows[-1])
-        engine = Engine(model, compile=args.compile)  # drop the previous cache before the next size
-    return rows
+        finished(dict(workload="long-prompt", cache=name, prompt_tokens=args.prompt_len, slots=st.slots,
+                      prefill_s=st.prefill_s, decode_tokens_per_s=(args.new_tokens - 1) / st.decode_s,
+                      peak_gib=peak_gib(args.device)))
+        engine = new_engine(model, args)  # drop the previous cache before the next size
 
 
 def bench_hf(args, bw, _):
@@ -360,8 +376,8 @@ def bench_hf(args, bw, _):
     cfg = transformers.AutoConfig.for_model(**SHAPES[args.shape])
     with args.device:
         hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=args.dtype, attn_implementation="sdpa")
-    rows = []
     for B in args.batch or [1]:
+        reset_peak(args.device)
         ids = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), device=args.device)
 
         def run(n):  # seconds for n new tokens, EOS or not
@@ -371,26 +387,26 @@ def bench_hf(args, bw, _):
             return sync_time(args.device) - t
         run(2)
         n = args.new_tokens
-        step = (run(n) - run(n // 4)) / (n - n // 4)
-        rows.append(dict(workload="hf", policy="transformers full", batch=B, prompt_len=args.prompt_len,
-                         ms_per_step=step * 1e3, tokens_per_s=B / step, peak_gib=peak_gib(args.device)))
-        progress(rows[-1])
-    return rows
+        short = max(n // 4, 1)  # transformers refuses to generate no token
+        step = (run(n) - run(short)) / (n - short)
+        finished(dict(workload="hf", policy="transformers full", batch=B, prompt_len=args.prompt_len,
+                      ms_per_step=step * 1e3, tokens_per_s=B / step, peak_gib=peak_gib(args.device)))
 
 
-def progress(row: dict):
+ROWS = []  # every row measured so far, in order: what --json writes, also when the run is cut short
+
+
+def finished(row: dict):
+    """A row is measured: print it and keep it."""
+    ROWS.append(row)
     print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
 
 def plot(rows, path):
-    """Throughput against batch size, one line per policy and budget (needs matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
+    """Throughput against batch size, one line per policy and budget (matplotlib: checked in check_args)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     label = lambda r: r["policy"] if r["policy"] == "full" else f"{r['policy']} {r['slots']}"
     for name in sorted({label(r) for r in rows}):
@@ -401,53 +417,202 @@ def plot(rows, path):
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
+def finite(x):
+    """x with every NaN or infinite float as None: strict JSON has no such numbers (peak_gib is NaN on a CPU)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
+
+
+def write_json(args, bw: float, complete: bool):
+    """The rows measured so far and the options as given; complete is false for a run cut short."""
+    record = dict(bandwidth=bw, device=str(args.device), torch=torch.__version__, complete=complete,
+                  args=vars(args), rows=ROWS)
+    with open(args.json, "w") as f:  # default=str: the device and the dtype
+        json.dump(finite(record), f, indent=1, allow_nan=False, default=str)
+
+
 WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
              "generate": bench_generate, "long-prompt": bench_long_prompt, "hf": bench_hf}
+# The options each workload reads (argparse names). Given to another workload, one would do nothing, so it is
+# refused; --device and --json apply to all.
+READS = {
+    "kernel": {"batch", "slots"},
+    "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot"},
+    "throughput": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile",
+                   "validate", "plot"},
+    "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile"},
+    "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile"},
+    "hf": {"shape", "batch", "prompt_len", "new_tokens"},
+}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> Parser:
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("workload", choices=sorted(WORKLOADS))
     p.add_argument("--shape", default="Qwen3-8B", choices=sorted(SHAPES))
     p.add_argument("--model", default=None, help="a real checkpoint instead of random weights")
-    p.add_argument("--batch", type=int, nargs="+", default=None, help="default: 1 and 64, or the largest that fits")
-    p.add_argument("--budget", type=int, nargs="+", default=[3200], help="several: the workload runs for each")
-    p.add_argument("--slots", type=int, default=3200, help="kernel: slots per sequence")
-    p.add_argument("--context", type=int, default=16384, help="step, full policy: tokens in the cache")
-    p.add_argument("--policy", nargs="+", default=["longflow", "full"])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=16384)
+    p.add_argument("--batch", type=positive_int, nargs="+", default=None,
+                   help="default: 1 and 64, or the largest that fits")
+    p.add_argument("--budget", type=positive_int, nargs="+", default=[3200],
+                   help="several: the workload runs for each")
+    p.add_argument("--slots", type=positive_int, default=3200, help="kernel: slots per sequence")
+    p.add_argument("--context", type=positive_int, default=16384, help="step, full policy: tokens in the cache")
+    p.add_argument("--policy", nargs="+", default=["longflow", "full"], choices=list(POLICIES), metavar="POLICY",
+                   help=f"one or more of {', '.join(POLICIES)}")
+    p.add_argument("--prompt-len", type=positive_int, default=None, help="default: 131072 for long-prompt, else 128")
+    p.add_argument("--new-tokens", type=positive_int, default=16384)
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--profile", action="store_true", help="step: print the step's slowest kernels")
-    p.add_argument("--validate", type=int, default=0,
+    p.add_argument("--profile", action="store_true", help="step: print the step's slowest kernels (needs a GPU)")
+    p.add_argument("--validate", type=non_negative_int, default=0,
                    help="throughput: also run this many new tokens end to end and compare with the prediction")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
-    args = p.parse_args()
+    return p
+
+
+def check_args(args, p: Parser):
+    """Everything that can be checked before the benchmark starts, so that a bad option fails at once and not
+    after hours (ValueError: what is wrong and what to do). Sets the device and the defaults that depend on it."""
     args.device, args.dtype = pick_device(args.device, None)
-    if args.device.type != "cuda" and args.workload == "kernel":
-        raise SystemExit("error: the kernel workload times CUDA kernels and needs a GPU")
-    if len(args.budget) > 1 and args.workload not in ("step", "throughput", "generate"):
-        raise SystemExit(f"error: the {args.workload} workload takes one --budget; several are for step, "
-                         "throughput and generate")
+    if args.workload == "kernel" and args.device.type != "cuda":
+        raise ValueError("the kernel workload times CUDA kernels and needs a GPU")
+    if args.workload == "hf" and importlib.util.find_spec("transformers") is None:
+        raise ValueError("the hf workload runs Hugging Face transformers: pip install transformers")
+    check_used(args, p)
+    if args.profile and args.device.type != "cuda":
+        raise ValueError("--profile lists the CUDA kernels of a step and needs a GPU; drop it on the CPU")
     if args.batch is None and (args.workload in ("kernel", "step") or args.device.type != "cuda"):
         args.batch = [1, 64] if args.device.type == "cuda" else [1, 2]
+    if args.prompt_len is None:
+        args.prompt_len = 131072 if args.workload == "long-prompt" else 128
+    check_sizes(args)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(option, path)
+    if args.plot:
+        check_plot(args.plot, args.json)
+
+
+def check_used(args, p: Parser):
+    """Options given that the run would not read (each would silently do nothing) are refused."""
+    w = args.workload
+    given = lambda name: getattr(args, name) != p.get_default(name)
+    flag = lambda name: "--no-compile" if name == "compile" else "--" + name.replace("_", "-")
+    unused = [flag(name) for name in sorted(set().union(*READS.values()) - READS[w]) if given(name)]
+    if unused:
+        raise ValueError(f"the {w} workload does not use {', '.join(unused)}; drop {'them' if unused[1:] else 'it'}")
+    if args.model and given("shape"):
+        raise ValueError("--model and --shape both say which model to run; give one of them")
+    if len(args.budget) > 1 and w not in ("step", "throughput", "generate"):
+        raise ValueError(f"the {w} workload takes one --budget; several are for step, throughput and generate")
+    if set(args.policy) == {"full"} and given("budget"):
+        raise ValueError("--policy full keeps every token and takes no --budget; drop it, or add a policy that evicts")
+    if "full" not in args.policy and given("context"):
+        raise ValueError("--context is the fill of the full cache; add full to --policy, or drop --context")
+
+
+def check_sizes(args):
+    """Token counts, budgets and policies that the workload can run with."""
+    if args.new_tokens < 2:  # generate, long-prompt and hf divide by the steps after the first token
+        raise ValueError("--new-tokens must be at least 2: the first comes from the prefill, the speed is that "
+                         "of the decode steps after it")
+    if args.validate and not 2 <= args.validate <= args.new_tokens:
+        raise ValueError(f"--validate runs that many of the --new-tokens ({args.new_tokens}) for real: give 2 to "
+                         f"{args.new_tokens}, or 0 for none")
+    for policy, budget in itertools.product(args.policy, args.budget):
+        try:
+            resolve_policy(policy, None if policy == "full" else budget)  # the full cache runs without one
+        except ValueError as e:
+            raise ValueError(f"--policy {policy} with --budget {budget}: {e}") from None
+    if args.workload == "long-prompt":
+        check_long_prompt(args.prompt_len, args.budget[0])
+
+
+def check_long_prompt(prompt_len: int, budget: int):
+    """long-prompt compresses its prompt to half its length and to --budget: both must compress, and work."""
+    if budget >= prompt_len:
+        raise ValueError(f"--budget {budget} holds the whole {prompt_len}-token prompt, so nothing is compressed; "
+                         f"give a budget below --prompt-len")
+    try:
+        resolve_policy("longflow", prompt_len // 2)
+    except ValueError as e:
+        raise ValueError(f"half of the {prompt_len}-token prompt: {e}; give a longer --prompt-len") from None
+
+
+def check_writable(option: str, path: str):
+    """A file can be written at path (found now, not once the benchmark has run)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option} {path}: folder {folder} does not exist; create it or give another path")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{option} {path} cannot be written (no permission); give another path")
+
+
+def check_plot(path: str, json_path: str | None):
+    """The plot can be drawn, in a format matplotlib writes, and leaves the JSON alone."""
+    if json_path and os.path.abspath(path) == os.path.abspath(json_path):
+        raise ValueError(f"--plot and --json are both {path}: the plot would overwrite the rows; give two paths")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib, or drop --plot")
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = os.path.splitext(path)[1][1:].lower()
+    if kind and kind not in kinds:
+        raise ValueError(f"--plot {path}: matplotlib cannot write .{kind} files; end the name with one of "
+                         f"{', '.join('.' + k for k in sorted(kinds))}")
+
+
+def sweep(args):
+    """The options of each run of a sweep over --budget: one budget each, and the full cache (which has
+    none) in the first run only. args itself stays as given, for the JSON."""
+    for i, budget in enumerate(args.budget):
+        policies = args.policy if i == 0 else [p for p in args.policy if p != "full"]
+        yield argparse.Namespace(**{**vars(args), "budget": budget, "policy": policies})
+
+
+def benchmark(args):
+    """Set up (the model first: a bad --model fails before anything is measured), measure, write."""
+    model = make_model(args) if args.workload not in ("kernel", "hf") else None
     bw = copy_bandwidth(args.device)
     print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
-    model = make_model(args) if args.workload not in ("kernel", "hf") else None
-    rows, budgets, policies = [], args.budget, args.policy
-    for i, args.budget in enumerate(budgets):  # a sweep over budgets: the full cache needs no second run
-        args.policy = policies if i == 0 else [p for p in policies if p != "full"]
-        rows += WORKLOADS[args.workload](args, bw, model)
+    try:
+        for one in sweep(args):
+            WORKLOADS[args.workload](one, bw, model)
+    except BaseException:  # Ctrl-C or an error midway: the rows measured so far are kept all the same
+        if args.json and ROWS:
+            write_json(args, bw, complete=False)
+        raise
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(bandwidth=bw, device=str(args.device), torch=torch.__version__,
-                           args={k: str(v) for k, v in vars(args).items()}, rows=rows), f, indent=1)
+        write_json(args, bw, complete=True)
     if args.plot:
-        plot(rows, args.plot)
+        plot(ROWS, args.plot)
+
+
+def main():
+    p = parser()
+    args = p.parse_args()
+    try:
+        check_args(args, p)
+        benchmark(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except torch.OutOfMemoryError:  # a --batch or --context too large for this GPU (the finished rows are kept)
+        print(f"error: out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave "
+              f"--batch out for the largest batch that fits", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,35 @@
-"""bench.py end to end on the CPU with the tiny shape: it runs in seconds and writes its JSON."""
+"""bench.py end to end on the CPU with the tiny shape: it runs in seconds and writes its JSON; bad options fail at
+once, in one line; Ctrl-C keeps the rows measured."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--shape", "tiny", "--device", "cpu", "--no-compile"]
+
+
+def bench(*argv):
+    return subprocess.run([sys.executable, "bench.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def strict_json(path):
+    """The file parsed as strict JSON: NaN and Infinity, which Python writes by default, fail."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
 
 
 def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
+    only = {"throughput": ["--batch", "2", "--validate", "20"], "long-prompt": []}  # long-prompt runs batch 1
     for workload in ("throughput", "long-prompt"):
         out = tmp_path / f"{workload}.json"
-        r = subprocess.run([sys.executable, "bench.py", workload, "--shape", "tiny", "--device", "cpu",
-                            "--no-compile", "--batch", "2", "--new-tokens", "24", "--budget", "40",
-                            "--prompt-len", "80", "--validate", "20", "--json", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        r = bench(workload, *TINY, *only[workload], "--new-tokens", "24", "--budget", "40", "--prompt-len", "80",
+                  "--json", str(out))
         assert r.returncode == 0, r.stderr
         rows = json.loads(out.read_text())["rows"]
         assert rows and all(row["workload"] == workload for row in rows)
@@ -28,23 +44,105 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
 
 def test_bench_transformers_baseline_runs_on_cpu(tmp_path):
     out = tmp_path / "hf.json"
-    r = subprocess.run([sys.executable, "bench.py", "hf", "--shape", "tiny", "--device", "cpu", "--batch", "2",
-                        "--new-tokens", "16", "--prompt-len", "8", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = bench("hf", "--shape", "tiny", "--device", "cpu", "--batch", "2", "--new-tokens", "16", "--prompt-len", "8",
+              "--json", str(out))
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["tokens_per_s"] > 0
 
 
-def test_bench_sweeps_batches_and_budgets_and_runs_the_full_cache_once(tmp_path):
-    out = tmp_path / "sweep.json"
-    r = subprocess.run([sys.executable, "bench.py", "throughput", "--shape", "tiny", "--device", "cpu", "--no-compile",
-                        "--batch", "1", "3", "--budget", "40", "48", "--new-tokens", "24", "--prompt-len", "30",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_bench_transformers_baseline_runs_with_two_new_tokens():
+    r = bench("hf", "--shape", "tiny", "--device", "cpu", "--batch", "1", "--new-tokens", "2", "--prompt-len", "8")
+    assert r.returncode == 0, r.stderr  # its shorter run generates one token, not none (which transformers refuses)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A sweep over two batches and two budgets: the finished process and its JSON file."""
+    out = tmp_path_factory.mktemp("sweep") / "sweep.json"
+    r = bench("throughput", *TINY, "--batch", "1", "3", "--budget", "40", "48", "--new-tokens", "24",
+              "--prompt-len", "30", "--json", str(out))
     assert r.returncode == 0, r.stderr
+    return r, out
+
+
+def test_bench_sweeps_batches_and_budgets_and_runs_the_full_cache_once(sweep):
+    _, out = sweep
     runs = sorted((row["policy"], row["slots"], row["batch"]) for row in json.loads(out.read_text())["rows"])
     assert runs == [("full", 54, 1), ("full", 54, 3), ("longflow", 40, 1), ("longflow", 40, 3),
                     ("longflow", 48, 1), ("longflow", 48, 3)]
-    bad = subprocess.run([sys.executable, "bench.py", "long-prompt", "--shape", "tiny", "--device", "cpu",
-                          "--budget", "40", "48"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    bad = bench("long-prompt", "--shape", "tiny", "--device", "cpu", "--budget", "40", "48")
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: the long-prompt workload takes one --budget")
+
+
+def test_bench_json_is_strict_with_null_for_nan(sweep):
+    record = strict_json(sweep[1])
+    assert all(row["peak_gib"] is None for row in record["rows"])  # no peak GPU memory on the CPU
+
+
+def test_bench_json_records_the_options_as_given(sweep):
+    record = strict_json(sweep[1])
+    assert record["complete"] is True
+    given = record["args"]
+    assert given["budget"] == [40, 48] and given["policy"] == ["longflow", "full"] and given["batch"] == [1, 3]
+
+
+SMALL = "throughput --shape tiny --device cpu --no-compile --batch 1 --budget 40 --new-tokens 24 --prompt-len 30"
+LONG = "long-prompt --shape tiny --device cpu --no-compile --new-tokens 4"
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(f"{SMALL} --device cuda", "CUDA was asked for but is not available", marks=no_cuda, id="no-cuda"),
+    pytest.param(f"{SMALL} --policy foo", "invalid choice: 'foo'", id="unknown-policy"),
+    pytest.param(f"{SMALL} --budget 0", "--budget: expected a positive integer", id="zero-budget"),
+    pytest.param(f"{SMALL} --batch 0", "--batch: expected a positive integer", id="zero-batch"),
+    pytest.param(f"{SMALL} --new-tokens 1", "--new-tokens must be at least 2", id="one-new-token"),
+    pytest.param(f"{SMALL} --budget 10", "--policy longflow with --budget 10: budget 10 is too small",
+                 id="budget-too-small"),
+    pytest.param("step --shape tiny --device cpu --no-compile --batch 1 --budget 40 --context 40 --profile",
+                 "--profile lists the CUDA kernels", id="profile-on-cpu"),
+    pytest.param(f"{SMALL} --validate 1", "--validate runs that many", id="validate-one-token"),
+    pytest.param(f"{SMALL} --validate 25", "give 2 to 24", id="validate-past-the-run"),
+    pytest.param(f"{SMALL} --policy full", "--policy full keeps every token and takes no --budget",
+                 id="budget-for-the-full-cache"),
+    pytest.param("step --shape tiny --device cpu --no-compile --batch 1 --budget 40 --context 40 --policy longflow",
+                 "--context is the fill of the full cache", id="context-without-full"),
+    pytest.param(f"{LONG} --prompt-len 80 --budget 40 --batch 2", "the long-prompt workload does not use --batch",
+                 id="option-the-workload-ignores"),
+    pytest.param(f"{LONG} --prompt-len 40 --budget 40", "holds the whole 40-token prompt", id="budget-holds-prompt"),
+    pytest.param(f"{LONG} --budget 131072", "holds the whole 131072-token prompt", id="long-prompt-is-128k"),
+    pytest.param(f"{SMALL} --json {{tmp}}/missing/rows.json", "missing does not exist", id="json-folder-missing"),
+    pytest.param(f"{SMALL} --json {{tmp}}", "is a folder", id="json-is-a-folder"),
+    pytest.param(f"{SMALL} --plot {{tmp}}/missing/plot.png", "missing does not exist", id="plot-folder-missing"),
+    pytest.param(f"{SMALL} --plot {{tmp}}/plot.xyz", "matplotlib cannot write .xyz files", id="plot-format"),
+    pytest.param(f"{SMALL} --plot {{tmp}}/out --json {{tmp}}/out", "the plot would overwrite the rows",
+                 id="plot-over-json"),
+    pytest.param("throughput --device cpu --model {tmp}/no-such-model", "does not exist", id="model-missing"),
+    pytest.param(f"{SMALL} --model {{tmp}}", "--model and --shape both", id="model-and-shape"),
+])
+def test_bench_refuses_bad_input_in_one_line_before_running(tmp_path, argv, message):
+    r = bench(*argv.format(tmp=tmp_path).split())
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""  # refused before the benchmark started (its first line names the device)
+    assert r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def test_bench_ctrl_c_exits_130_in_one_line_and_writes_the_finished_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    batches = [str(b) for b in range(1, 13)]
+    proc = subprocess.Popen([sys.executable, "bench.py", *SMALL.split(), "--policy", "longflow", "--batch", *batches,
+                             "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("workload="):  # the first row is measured
+                proc.send_signal(signal.SIGINT)
+                break
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.strip().startswith("interrupted:"), stderr
+    record = strict_json(out)
+    assert record["complete"] is False and 1 <= len(record["rows"]) < len(batches)
+    assert all(row["tokens_per_s"] > 0 for row in record["rows"])
