@@ -12,12 +12,14 @@ stop an evaluation run.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
 import os
 import random
 import re
+import sys
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,28 +27,91 @@ from pathlib import Path
 # ---------------------------------------------------------------------------------------------
 # Datasets: JSONL files with one {"question": ..., "true_answer": ...} object a line.
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+HERE = Path(__file__).resolve().parent
+# the repository's data/ folder; pip installs the same files as the tinyflow_data package (pyproject.toml)
+DATA_DIR = HERE / "tinyflow_data" if (HERE / "tinyflow_data").is_dir() else HERE / "data"
 DATASETS = {name: DATA_DIR / f"{name}.jsonl"
             for name in ("aime24", "aime25", "amc", "gsm8k", "math", "minerva", "olympiad")}
 
 
 def load_dataset(name_or_path: str | Path) -> list[dict]:
     """The rows of a shipped dataset (a key of DATASETS) or of any JSONL file with those two fields (and an
-    optional "index"; the row number when absent)."""
+    optional "index"; the row number when absent), checked: a row that cannot be asked or graded is an
+    error naming its file and line, before any model loads."""
     path = DATASETS.get(str(name_or_path), Path(name_or_path))
+    if path.is_dir():
+        raise ValueError(f"dataset {path} is a folder; give a JSONL file or one of {sorted(DATASETS)}")
     if not path.is_file():
         raise ValueError(f"unknown dataset {str(name_or_path)!r}: not one of {sorted(DATASETS)} "
                          "and no such file")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    fix = 'write one JSON object a line, like {"question": "What is 2 + 3?", "true_answer": "5"}'
+    for number, row in json_lines(path, read_text(path), fix):
+        problem = row_problem(row)
+        if problem:
+            raise ValueError(f"{path}:{number}: {problem}")
+        rows.append({"index": len(rows), **row})
+    if not rows:
+        raise ValueError(f"{path} has no rows; {fix}")
+    check_unique_indices(path, rows)
+    return rows
+
+
+def read_text(path: Path) -> str:
+    """A file's UTF-8 text, or an error that names the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}; give a readable file") from None
+
+
+def json_lines(path: Path, text: str, fix: str) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of the JSONL text of `path`; a line that is not a JSON
+    object is an error naming the file and line, and saying how to `fix` it."""
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
         if not line.strip():
             continue
-        row = json.loads(line)
-        missing = [key for key in ("question", "true_answer") if key not in row]
-        if missing:
-            raise ValueError(f"{path}:{number}: row lacks {', '.join(missing)}")
-        rows.append({"index": len(rows), **row})
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e.msg}, column {e.colno}); {fix}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: {json_type(row)}, not a JSON object; {fix}")
+        rows.append((number, row))
     return rows
+
+
+def json_type(value) -> str:
+    """What a parsed JSON value is, in JSON's words (for messages about files that people write)."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "true or false", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def row_problem(row: dict) -> str | None:
+    """Why eval.py cannot ask or grade a dataset row, or None: the question is rendered as text, the
+    answer compared as text or a number, and the index names the row's generations in the run file."""
+    missing = [key for key in ("question", "true_answer") if key not in row]
+    if missing:
+        return f"row lacks {', '.join(missing)}; every row needs a question and a true_answer"
+    if not isinstance(row["question"], str):
+        return f'"question" is {json_type(row["question"])}; it must be a string'
+    if json_type(row["true_answer"]) not in ("a string", "a number"):
+        return f'"true_answer" is {json_type(row["true_answer"])}; it must be a string or a number'
+    if "index" in row and (isinstance(row["index"], bool) or not isinstance(row["index"], int)):
+        return f'"index" is {json.dumps(row["index"])}; it must be a whole number, or left out'
+    return None
+
+
+def check_unique_indices(path: Path, rows: list[dict]):
+    """A run file knows a generation by its row's index: two rows with one index would share generations."""
+    seen = set()
+    for row in rows:
+        if row["index"] in seen:
+            raise ValueError(f'{path}: two rows have index {row["index"]}; give each row its own "index", or none')
+        seen.add(row["index"])
 
 
 # DeepSeek-R1's recommended prompt: the question, a newline, then this instruction, as the user's message.
@@ -344,14 +409,34 @@ def run_name(policy: str, budget: int | None, rule: str, sep=":") -> str:
     return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []))
 
 
+ROW_KEYS = ("index", "sample", "correct", "tokens", "budget_full")  # what resuming and summaries read of a row
+
+
 def read_rows(path: Path) -> list[dict]:
     """The rows an earlier, possibly interrupted run wrote; a last line cut off mid-write (every complete
-    row ends with a newline) is removed from the file, so that generation is simply redone."""
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()
-        path.write_text("".join(lines))
-    return [json.loads(line) for line in lines]
+    row ends with a newline) is removed from the file, so that generation is simply redone. Any other
+    damaged line is an error naming the file and line."""
+    if not path.exists():
+        return []
+    text = read_text(path)
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        path.write_text(text)
+    fix = "delete that line (or the file) and run again to redo its generation"
+    rows = []
+    for number, row in json_lines(path, text, fix):
+        missing = [key for key in ROW_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"{path}:{number}: a row without {', '.join(missing)}; {fix}")
+        rows.append(row)
+    return rows
+
+
+def saved_rows(path: Path, items: list[dict], samples: int) -> list[dict]:
+    """The rows of `path` for these items and samples (a file may hold more, from a run with a larger
+    --limit or --samples)."""
+    wanted = {it["index"] for it in items}
+    return [r for r in read_rows(path) if r["index"] in wanted and r["sample"] < samples]
 
 
 def prompt_ids(tokenizer, item: dict, protocol: Protocol) -> tuple[list[dict], list[int], bool]:
@@ -369,7 +454,7 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
              batch_size: int | None = None) -> dict:
     """Generate for every (item, sample) not yet in `path`, appending its line the moment it finishes (an
     interrupted run keeps every finished generation); return the summary over the rows of these items and
-    samples (a file may hold more, from a run with a larger --limit or --samples)."""
+    samples."""
     done = {(r["index"], r["sample"]) for r in read_rows(path)}
     todo = [(it, s) for s in range(protocol.samples) for it in items if (it["index"], s) not in done]
     asked = [prompt_ids(llm.tokenizer, it, protocol) for it, _ in todo]
@@ -394,8 +479,7 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
             llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens, seed=seeds,
                          batch_size=batch_size, on_output=write, **sampling)
         stats = llm.stats
-    wanted = {it["index"] for it in items}
-    rows = [r for r in read_rows(path) if r["index"] in wanted and r["sample"] < protocol.samples]
+    rows = saved_rows(path, items, protocol.samples)
     return {"file": str(path), "items": len(items), "samples": protocol.samples, "rows": len(rows),
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
@@ -466,18 +550,18 @@ def needle_summary(rows: list[dict]) -> dict:
 def check_settings(path: Path, settings: dict):
     """Resume a run only with the settings it was started with, so one file never mixes two runs."""
     saved = path.with_suffix(".settings.json")
-    if path.exists() and saved.exists() and json.loads(saved.read_text()) != settings:
-        raise ValueError(f"{path} was written with other settings ({saved.read_text().strip()}); "
+    if path.exists() and saved.exists() and read_json(saved) != settings:  # unreadable: other settings too
+        raise ValueError(f"{path} was written with other settings ({read_text(saved).strip()}); "
                          f"use another --out or delete it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(settings))
+    write_atomically(saved, json.dumps(settings))
 
 
 def parse_run(text: str) -> tuple[str, int | None, str]:
     """'longflow:3200' -> ("longflow", 3200, "snapkv"); 'full' -> ("full", None, "snapkv");
     'longflow:512:streaming' -> ("longflow", 512, "streaming"): the third part compresses long prompts."""
     policy, budget, rule = (text.split(":") + ["", ""])[:3]
-    if (budget and not budget.isdigit()) or text.count(":") > 2 or (rule and not budget):
+    if (budget and not budget.isdecimal()) or text.count(":") > 2 or (rule and not budget):
         raise ValueError(f"bad run {text!r}: write POLICY, POLICY:BUDGET or POLICY:BUDGET:PROMPT_RULE, "
                          "e.g. longflow:3200 or longflow:512:streaming")
     if policy == "full" and budget:
@@ -557,16 +641,16 @@ def self_texts(llm, model: str, n: int, tokens: int, seed: int, path: Path) -> l
     and kept in `path` (for this model, n, tokens and seed)."""
     settings = {"model": model, "n": n, "tokens": tokens, "seed": seed, "sampling": SELF_SAMPLING}
     if path.exists():
-        lines = path.read_text().splitlines()
-        if lines and json.loads(lines[0]) == settings:
-            return [json.loads(line) for line in lines[1:]]
+        rows = [row for _, row in json_lines(path, read_text(path), "delete the file to sample the texts again")]
+        if rows and rows[0] == settings:
+            return rows[1:]
     items = load_dataset("math")[:n]
     prompts = [llm.tokenizer.chat(build_messages(it["question"])) for it in items]
     llm.set_policy(None, "full")
     outs = llm.generate(prompts, max_new_tokens=tokens, seed=seed, **SELF_SAMPLING, ignore_eos=True)
     texts = [{"name": f"self/math-{it['index']}", "prompt": p, "continuation": o.token_ids}
              for it, p, o in zip(items, prompts, outs)]
-    path.write_text("".join(json.dumps(x) + "\n" for x in [settings, *texts]))
+    write_atomically(path, "".join(json.dumps(x) + "\n" for x in [settings, *texts]))
     return texts
 
 
@@ -690,8 +774,12 @@ def write_fidelity_table(summaries: list[dict], out_dir: Path):
 
 
 def fidelity_main(argv):
-    import time
+    args = parse_fidelity_args(argv)
+    check_fidelity_args(args)
+    run_fidelity(args)
 
+
+def parse_fidelity_args(argv):
     from generate import Parser, positive_int
     p = Parser(prog="eval.py fidelity", description="Teacher-forced fidelity of KV-cache policies to the full "
                "cache: NLL increase, top-1 agreement, KL, free generation.")
@@ -711,20 +799,40 @@ def fidelity_main(argv):
     p.add_argument("--out", default="runs/fidelity")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let prompt + new tokens run past the model's max_position_embeddings")
+    return p.parse_args(argv)
+
+
+def check_fidelity_args(args):
+    """Refuse, before anything loads, options that cannot work together (argparse checked each alone)."""
+    chapters = len(read_text(RUST_BOOK).splitlines())
+    if "rust" in args.texts and args.rust_texts > chapters:
+        raise ValueError(f"--rust-texts {args.rust_texts}: data/rust_book.jsonl has {chapters} chapters")
+    questions = len(load_dataset("math"))
+    if "self" in args.texts and args.self_texts > questions:
+        raise ValueError(f"--self-texts {args.self_texts}: data/math.jsonl has {questions} questions")
+    if args.measure_last > args.tokens:
+        raise ValueError(f"--measure-last {args.measure_last} is more than --tokens {args.tokens}")
+    check_out(Path(args.out))
+    check_seed(args.seed)
+
+
+def run_fidelity(args):
+    """Score the runs against the full cache a budget at a time, each result written as it is measured (one
+    already measured with these settings is kept)."""
+    import time
+
+    import tinyflow
+    runs = fidelity_runs(args.runs)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved = []  # the runs whose results are on disk: what an interrupted sweep reports
     try:
-        import tinyflow
-        runs = fidelity_runs(args.runs)
-        chapters = len(RUST_BOOK.read_text(encoding="utf-8").splitlines())
-        if "rust" in args.texts and args.rust_texts > chapters:
-            raise ValueError(f"--rust-texts {args.rust_texts}: data/rust_book.jsonl has {chapters} chapters")
-        if args.measure_last > args.tokens:
-            raise ValueError(f"--measure-last {args.measure_last} is more than --tokens {args.tokens}")
-        out_dir = Path(args.out)
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ValueError(f"--out {out_dir} is a file; give a folder")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        llm = tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile)
+        llm = tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
+                           allow_long_context=args.allow_long_context)
+        if "self" in args.texts:  # the model's answers are asked through its chat template
+            check_chat_template(llm, args.model)
         texts = rust_texts(llm.tokenizer, args.rust_texts, args.prompt_tokens, args.tokens) \
             if "rust" in args.texts else []
         if "self" in args.texts:
@@ -736,6 +844,7 @@ def fidelity_main(argv):
             json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
         path = lambda policy, budget, rule: out_dir / f"fidelity_{run_name(policy, budget, rule, '_')}.json"
         todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
+        saved += [r for r in runs if r not in todo]
         llm.set_policy(None, "full")
         full_free = [o.token_ids for o in llm.generate([t["prompt"] for t in texts], args.free_tokens,
                                                        ignore_eos=True)] if todo else None
@@ -757,11 +866,11 @@ def fidelity_main(argv):
                                full_nll=full_nll, texts=[t["name"] for t in texts], group_seconds=group_seconds,
                                settings=settings)
                 write_atomically(path(*run), json.dumps(summary, indent=1))
+                saved.append(run)
         write_fidelity_table([read_json(path(*r)) for r in runs], out_dir)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}")
     except KeyboardInterrupt:
-        interrupted(f"every finished budget is in {args.out}; the same command resumes with the rest")
+        interrupted(f"{len(saved)} of {len(runs)} runs are measured and saved in {out_dir}; run the same command "
+                    "to resume with the rest")
 
 
 def fidelity_runs(specs: list[str]) -> list[tuple[str, int, str]]:
@@ -795,10 +904,32 @@ def write_atomically(path: Path, text: str):
 
 
 def main(argv=None):
-    import sys
+    """`eval.py [options]`: accuracy on a benchmark; `eval.py fidelity [options]`: fidelity to the full cache.
+    Bad input is one line on stderr and exit status 2, as argparse reports a bad option."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["fidelity"]:
-        return fidelity_main(argv[1:])
+    try:
+        if argv[:1] == ["fidelity"]:
+            fidelity_main(argv[1:])
+        else:
+            run_main(parse_args(argv))
+    except (ValueError, OSError, ImportError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:  # while starting up: the runs themselves report what they saved
+        interrupted("before generating anything; run the same command again (it keeps what earlier runs saved)")
+
+
+def fail(message: str):
+    print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)  # one line, whatever raised it
+    sys.exit(2)
+
+
+def interrupted(what: str):
+    """Ctrl-C: one line on stderr and exit status 130, as a shell reports an interrupted command."""
+    print(f"\ninterrupted: {what}", file=sys.stderr)
+    sys.exit(130)
+
+
+def parse_args(argv):
     from generate import Parser, non_negative_int, positive_int
     p = Parser(prog="eval.py", description="Accuracy of KV-cache policies on reasoning benchmarks "
                "(and `eval.py fidelity --help`: fidelity to the full cache).")
@@ -827,20 +958,42 @@ def main(argv=None):
     p.add_argument("--out", default="runs", help="folder for the JSONL, summary and table")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        run_main(args)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}")
-    except KeyboardInterrupt:
-        interrupted(f"every finished generation is in {args.out}; the same command resumes with the rest")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let prompt + new tokens run past the model's max_position_embeddings")
+    return p.parse_args(argv)
 
 
-def interrupted(what: str):
-    """Ctrl-C: one line on stderr and exit status 130, as a shell reports an interrupted command."""
-    import sys
-    print(f"\ninterrupted: {what}", file=sys.stderr)
-    sys.exit(130)
+def check_args(args):
+    """Refuse, before anything loads, what cannot work (argparse checked each number alone)."""
+    from generate import Sampling
+    check_out(Path(args.out))
+    Sampling.with_defaults({}, **chosen_protocol(args).sampling)  # those from the model are checked once it loads
+    check_seed(args.seed)
+    # grading imports math-verify at the first finished generation: too late to say it is missing
+    if args.data != "retrieval" and importlib.util.find_spec("math_verify") is None:
+        raise ValueError("grading answers needs math-verify: pip install -e '.[eval]'")
+
+
+def check_out(out: Path):
+    """--out must be a folder, or a path where one can be made: not a file, nor inside one."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == out else f"is inside {existing}, which is a file"
+        raise ValueError(f"--out {out} {where}; give a folder")
+
+
+def check_seed(seed: int):
+    # each generation's seed is --seed plus multiples of its sample and item numbers, kept in 64 bits
+    if not -2**62 <= seed < 2**62:
+        raise ValueError(f"--seed {seed} is too large; give one between -2**62 and 2**62")
+
+
+def check_chat_template(llm, model: str):
+    """The protocols ask every question through the model's chat template: a model without one is refused
+    as soon as it loads, not at the first question."""
+    if llm.tokenizer.template is None:
+        raise ValueError(f"{model} has no chat template (no chat_template.jinja, none in tokenizer_config.json), "
+                         "and eval.py renders every question through it; give a chat (instruct) model")
 
 
 def chosen_protocol(args) -> Protocol:
@@ -855,44 +1008,67 @@ def chosen_protocol(args) -> Protocol:
 
 
 def run_main(args):
-    import tinyflow
-    from cache import resolve_policy
-    from generate import Sampling
+    """Evaluate every run with one loaded model: a JSONL file of rows and a summary per run, then the table."""
+    check_args(args)
     proto = chosen_protocol(args)
-    runs = [parse_run(r) for r in args.runs]
-    runs = list(dict.fromkeys((policy, proto.budget if budget is None and policy != "full" else budget, rule)
-                              for policy, budget, rule in runs))  # longflow and longflow:2048 may be one run
-    for policy, budget, rule in runs:  # a run that cannot work fails now, not after the others ran
-        resolve_policy(policy, budget, prompt_rule=rule)
+    runs = eval_runs(args.runs, proto)
     items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
         else load_dataset(args.data)
     items = items[:args.limit]
     out_dir = Path(args.out)
     paths = [run_file(out_dir, args.data, *run) for run in runs]
-    locks = [lock_run(path) for path in paths]  # every run locked before anything runs
+    locks = []
     try:
-        summaries, llm = [], None
-        for (policy, budget, rule), path in zip(runs, paths):
-            if llm is None:
-                llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile)
-            llm.set_policy(budget, policy, prompt_compression=rule)
-            sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
-            check_settings(path, dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
-                                      suffix=proto.suffix, max_new_tokens=proto.max_new_tokens,
-                                      prompt_tokens=proto.prompt_tokens, answer=proto.answer, sampling=sampling,
-                                      seed=args.seed, retrieval_words=args.retrieval_words))
-            summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size)
-            summary_path = path.with_suffix(".summary.json")
-            if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
-                before = read_json(summary_path) or {}
-                summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
-            summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
-                                  model=args.model, protocol=args.protocol, sampling=sampling))
-            write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
-        write_table(summaries, out_dir)
+        for path in paths:  # every run locked, and its earlier rows read, before the model loads
+            locks.append(lock_run(path))
+            read_rows(path)
+        write_table(evaluate_runs(args, proto, runs, items, paths), out_dir)
+    except KeyboardInterrupt:
+        saved = sum(len(saved_rows(path, items, proto.samples)) for path in paths)
+        interrupted(f"{saved} of {len(paths) * len(items) * proto.samples} generations are saved in {out_dir}; "
+                    "run the same command to resume with the rest")
     finally:  # also when interrupted: an eval.py inside a longer Python session must not keep them
         for handle in locks:
             handle.close()
+
+
+def eval_runs(specs: list[str], proto: Protocol) -> list[tuple[str, int | None, str]]:
+    """The runs to evaluate, a run without a budget taking the protocol's; checked before anything loads, so
+    that a run that cannot work fails now, not after the others ran."""
+    from cache import resolve_policy
+    runs = [parse_run(r) for r in specs]
+    runs = list(dict.fromkeys((policy, proto.budget if budget is None and policy != "full" else budget, rule)
+                              for policy, budget, rule in runs))  # longflow and longflow:2048 may be one run
+    for policy, budget, rule in runs:
+        resolve_policy(policy, budget, prompt_rule=rule)
+    return runs
+
+
+def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: list[Path]) -> list[dict]:
+    """Load the model once, then evaluate each run in turn; its summary is written as it ends."""
+    import tinyflow
+    from generate import Sampling
+    policy, budget, _ = runs[0]
+    llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,
+                       allow_long_context=args.allow_long_context)
+    check_chat_template(llm, args.model)
+    summaries = []
+    for (policy, budget, rule), path in zip(runs, paths):
+        llm.set_policy(budget, policy, prompt_compression=rule)
+        sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
+        check_settings(path, dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
+                                  suffix=proto.suffix, max_new_tokens=proto.max_new_tokens,
+                                  prompt_tokens=proto.prompt_tokens, answer=proto.answer, sampling=sampling,
+                                  seed=args.seed, retrieval_words=args.retrieval_words))
+        summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size)
+        summary_path = path.with_suffix(".summary.json")
+        if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
+            before = read_json(summary_path) or {}
+            summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
+        summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
+                              model=args.model, protocol=args.protocol, sampling=sampling))
+        write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
+    return summaries
 
 
 if __name__ == "__main__":

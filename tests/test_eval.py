@@ -20,6 +20,37 @@ def run_eval(checkpoints, data, out, *extra):
              "--no-compile", *extra])
 
 
+def refused(capsys, argv) -> str:
+    """eval.py's answer to bad input: exit status 2 and one line on stderr, "error: ...", no traceback."""
+    capsys.readouterr()  # what came before (an earlier run's progress bars)
+    with pytest.raises(SystemExit) as stop:
+        ev.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Bad input is refused before the model loads: loading it fails the test."""
+    import tinyflow
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model loaded before the bad input was refused")
+    monkeypatch.setattr(tinyflow, "LLM", load)
+
+
+def eval_args(checkpoints, data, out):
+    return ["--model", checkpoints["qwen3"], "--data", data, "--runs", "full", "--max-new-tokens", "4",
+            "--out", out, "--device", "cpu", "--no-compile"]
+
+
+def fidelity_args(checkpoints, out):
+    return ["fidelity", "--model", checkpoints["qwen3"], "--runs", "longflow:40", "--texts", "rust", "--rust-texts",
+            "1", "--prompt-tokens", "16", "--tokens", "32", "--measure-last", "16", "--free-tokens", "8",
+            "--out", out, "--device", "cpu", "--no-compile"]
+
+
 def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_path):
     data, out = write_data(tmp_path), tmp_path / "runs"
     run_eval(checkpoints, data, out)
@@ -55,9 +86,9 @@ def test_a_finished_run_run_again_keeps_its_measured_speed_and_kv_bytes(checkpoi
 
 
 def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_them(checkpoints, tmp_path,
-                                                                                  monkeypatch):
-    """Ctrl-C while grading the third finished generation: the first two are already on disk, and the
-    resumed run adds the others once each."""
+                                                                                  monkeypatch, capsys):
+    """Ctrl-C while grading the third finished generation: the first two are already on disk, one line says
+    so and how to resume, and the resumed run adds the others once each."""
     data, out = write_data(tmp_path), tmp_path / "runs"
     real_grade, calls = ev.grade, []
 
@@ -71,6 +102,9 @@ def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_t
         run_eval(checkpoints, data, out)
     assert stop.value.code == 130
     assert len((out / "mini_full_all.jsonl").read_text().splitlines()) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"interrupted: 2 of 12 generations are saved in {out}; run the same command "
+                                    "to resume with the rest")
     monkeypatch.setattr(ev, "grade", real_grade)
     run_eval(checkpoints, data, out)
     for name in ("mini_full_all.jsonl", "mini_longflow_40.jsonl"):
@@ -78,11 +112,11 @@ def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_t
         assert sorted((r["index"], r["sample"]) for r in rows) == [(i, s) for i in range(3) for s in range(2)]
 
 
-def test_a_second_eval_on_the_same_run_is_refused(checkpoints, tmp_path):
+def test_a_second_eval_on_the_same_run_is_refused(checkpoints, tmp_path, capsys):
     data, out = write_data(tmp_path), tmp_path / "runs"
     held = ev.lock_run(out / "mini_longflow_40.jsonl")  # another eval.py, still running
-    with pytest.raises(SystemExit, match="another eval.py is writing .*mini_longflow_40.jsonl"):
-        run_eval(checkpoints, data, out)
+    assert "another eval.py is writing" in refused(capsys, [*eval_args(checkpoints, data, out), "--runs", "full",
+                                                            "longflow:40"])
     held.close()
     run_eval(checkpoints, data, out)
 
@@ -137,20 +171,20 @@ def test_needle_kept_counts_the_rows_that_hold_every_digit_of_the_value(checkpoi
     assert ev.needle_kept(llm, conv, it) == 0.0
 
 
-def test_bad_run_spec_is_a_clear_error(checkpoints, tmp_path, capsys):
-    import pytest
-    for run in ("longflow:x", "full:64"):
-        with pytest.raises(SystemExit, match=f"bad run '{run}'"):
-            ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(write_data(tmp_path)), "--runs", run])
+def test_bad_run_spec_is_a_clear_error(checkpoints, tmp_path, capsys, no_model):
+    for run in ("longflow:x", "full:64", "longflow:\u00b2"):  # a superscript two is a digit to str.isdigit
+        err = refused(capsys, [*eval_args(checkpoints, write_data(tmp_path), tmp_path / "runs"), "--runs", run])
+        assert f"bad run '{run}'" in err
 
 
-def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path):
-    import pytest
+def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path, capsys):
     data, out = write_data(tmp_path), tmp_path / "runs"
     run_eval(checkpoints, data, out)
-    with pytest.raises(SystemExit, match="was written with other settings"):
-        ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40",
-                 "--max-new-tokens", "13", "--out", str(out), "--device", "cpu", "--no-compile"])
+    again = ["--model", checkpoints["qwen3"], "--data", data, "--runs", "longflow:40", "--out", out, "--device",
+             "cpu", "--no-compile"]
+    assert "was written with other settings" in refused(capsys, [*again, "--max-new-tokens", "13"])
+    (out / "mini_longflow_40.settings.json").write_text('{"model": ')  # damaged: cannot be the same settings
+    assert "was written with other settings" in refused(capsys, [*again, "--max-new-tokens", "12"])
 
 
 def test_needle_prompts_are_never_cut_and_a_run_named_twice_runs_once(checkpoints, tmp_path):
@@ -166,3 +200,199 @@ def test_needle_prompts_are_never_cut_and_a_run_named_twice_runs_once(checkpoint
              "--protocol", "longflow", "--max-new-tokens", "4", "--limit", "1", "--out", str(out), "--device", "cpu",
              "--no-compile"])
     assert len((out / "mini_longflow_2048.jsonl").read_text().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2, no traceback, and before the model loads wherever it can be seen there.
+
+@pytest.mark.parametrize("line, says", [("not json", "not JSON"), ("[1, 2]", "an array, not a JSON object"),
+                                        ("5", "a number, not a JSON object"),
+                                        ('"question true_answer"', "a string, not a JSON object")])
+def test_a_data_line_that_is_not_a_json_object_is_refused_with_its_file_and_line(checkpoints, tmp_path, capsys,
+                                                                                no_model, line, says):
+    data = tmp_path / "mini.jsonl"
+    data.write_text('{"question": "What is 2 + 3?", "true_answer": "5"}\n' + line + "\n")
+    err = refused(capsys, eval_args(checkpoints, data, tmp_path / "runs"))
+    assert f"{data}:2: {says}" in err
+
+
+@pytest.mark.parametrize("line, says", [("garbage", "not JSON"), ("[1]", "an array, not a JSON object"),
+                                        ('{"index": 0, "sample": 0}', "a row without correct, tokens, budget_full")])
+def test_a_damaged_run_file_is_refused_with_its_file_and_line_before_the_model_loads(checkpoints, tmp_path, capsys,
+                                                                                   no_model, line, says):
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    out.mkdir()
+    row = {"index": 0, "sample": 0, "correct": False, "tokens": 4, "budget_full": False}
+    (out / "mini_full_all.jsonl").write_text(json.dumps(row) + "\n" + line + "\n" + json.dumps(row)[:9])
+    err = refused(capsys, eval_args(checkpoints, data, out))
+    assert f"{out / 'mini_full_all.jsonl'}:2: {says}" in err and "delete that line" in err
+
+
+def test_an_unreadable_run_file_is_refused_before_the_model_loads(checkpoints, tmp_path, capsys, no_model):
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    (out / "mini_full_all.jsonl").mkdir(parents=True)  # a folder where the rows should be
+    assert f"cannot read {out / 'mini_full_all.jsonl'}" in refused(capsys, eval_args(checkpoints, data, out))
+
+
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_an_empty_data_file_is_refused_before_the_model_loads(checkpoints, tmp_path, capsys, no_model, text):
+    data = tmp_path / "mini.jsonl"
+    data.write_text(text)
+    assert f"{data} has no rows" in refused(capsys, eval_args(checkpoints, data, tmp_path / "runs"))
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"question": "Q?"}, "row lacks true_answer"),
+    ({"question": "Q?", "true_answer": ["1", "2"]}, '"true_answer" is an array; it must be a string or a number'),
+    ({"question": "Q?", "true_answer": None}, '"true_answer" is null'),
+    ({"question": "Q?", "true_answer": True}, '"true_answer" is true or false'),
+    ({"question": 7, "true_answer": "7"}, '"question" is a number; it must be a string'),
+    ({"question": "Q?", "true_answer": "7", "index": "3"}, '"index" is "3"; it must be a whole number'),
+])
+def test_rows_that_cannot_be_asked_or_graded_are_refused_with_their_line(checkpoints, tmp_path, capsys, no_model,
+                                                                         row, says):
+    data = tmp_path / "mini.jsonl"
+    data.write_text(json.dumps({"question": "Q?", "true_answer": 1.5}) + "\n" + json.dumps(row) + "\n")
+    assert f"{data}:2: {says}" in refused(capsys, eval_args(checkpoints, data, tmp_path / "runs"))
+
+
+def test_two_rows_with_one_index_are_refused(checkpoints, tmp_path, capsys, no_model):
+    """A run file knows generations by index: the second row would silently take the first one's."""
+    data = tmp_path / "mini.jsonl"
+    data.write_text('{"question": "A?", "true_answer": "1", "index": 1}\n{"question": "B?", "true_answer": "2"}\n')
+    assert "two rows have index 1" in refused(capsys, eval_args(checkpoints, data, tmp_path / "runs"))
+
+
+def test_a_question_may_hold_a_unicode_line_separator(tmp_path):
+    """JSON strings may hold U+2028 unescaped, which str.splitlines would take for the end of a line."""
+    data = tmp_path / "mini.jsonl"
+    data.write_text('{"question": "one\u2028two", "true_answer": 1}\n', encoding="utf-8")
+    assert ev.load_dataset(data) == [{"index": 0, "question": "one\u2028two", "true_answer": 1}]
+
+
+def test_installed_beside_tinyflow_data_the_shipped_datasets_are_found(tmp_path, monkeypatch):
+    """pip puts eval.py in site-packages and data/ there as the tinyflow_data package (pyproject.toml)."""
+    import importlib.util
+    import shutil
+    import sys
+    shutil.copy(ev.__file__, tmp_path / "eval.py")
+    shutil.copytree(ev.DATA_DIR, tmp_path / "tinyflow_data")
+    spec = importlib.util.spec_from_file_location("installed_eval", tmp_path / "eval.py")
+    installed = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "installed_eval", installed)  # its dataclasses look their module up
+    spec.loader.exec_module(installed)
+    assert installed.RUST_BOOK == tmp_path / "tinyflow_data" / "rust_book.jsonl"
+    assert len(installed.load_dataset("aime24")) == 30
+
+
+def test_a_data_file_that_is_not_utf8_or_is_a_folder_is_named(checkpoints, tmp_path, capsys, no_model):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes('{"question": "Caf\u00e9?", "true_answer": "1"}\n'.encode("latin-1"))
+    assert f"{data} is not UTF-8 text" in refused(capsys, eval_args(checkpoints, data, tmp_path / "runs"))
+    assert f"dataset {tmp_path} is a folder" in refused(capsys, eval_args(checkpoints, tmp_path, tmp_path / "runs"))
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--samples", "0"], "--samples: expected a positive integer"),
+    (["--limit", "0"], "--limit: expected a positive integer"),
+    (["--limit", "-1"], "--limit: expected a positive integer"),
+    (["--data", "retrieval", "--retrieval-words", "0"], "--retrieval-words: expected a positive integer"),
+    (["--data", "retrieval", "--retrieval-words", "100000000"], "--retrieval-words must be in 1.."),
+    (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer"),
+    (["--batch-size", "0"], "--batch-size: expected a positive integer"),
+    (["--prompt-tokens", "-1"], "--prompt-tokens: expected a non-negative integer"),
+    (["--temperature", "-1"], "sampling needs temperature 0"),
+    (["--top-p", "0"], "sampling needs temperature 0"),
+    (["--top-k", "-1"], "sampling needs temperature 0"),
+    (["--repetition-penalty", "0"], "repetition penalty must be a number > 0"),
+    (["--seed", str(2**70)], "--seed 1180591620717411303424 is too large"),
+])
+def test_numbers_that_cannot_work_are_refused_before_the_model_loads(checkpoints, tmp_path, capsys, no_model,
+                                                                     option, says):
+    assert says in refused(capsys, [*eval_args(checkpoints, write_data(tmp_path), tmp_path / "runs"), *option])
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--rust-texts", "0"], "--rust-texts: expected a positive integer"),
+    (["--rust-texts", "7"], "--rust-texts 7: data/rust_book.jsonl has 6 chapters"),
+    (["--texts", "self", "--self-texts", "0"], "--self-texts: expected a positive integer"),
+    (["--texts", "self", "--self-texts", "501"], "--self-texts 501: data/math.jsonl has 500 questions"),
+    (["--prompt-tokens", "0"], "--prompt-tokens: expected a positive integer"),
+    (["--tokens", "0"], "--tokens: expected a positive integer"),
+    (["--measure-last", "-3"], "--measure-last: expected a positive integer"),
+    (["--measure-last", "33"], "--measure-last 33 is more than --tokens 32"),
+    (["--free-tokens", "0"], "--free-tokens: expected a positive integer"),
+    (["--batch-size", "0"], "--batch-size: expected a positive integer"),
+    (["--seed", str(-2**70)], "is too large"),
+    (["--runs", "longflow:0"], "budget must be a positive integer"),
+])
+def test_fidelity_numbers_that_cannot_work_are_refused_before_the_model_loads(checkpoints, tmp_path, capsys,
+                                                                              no_model, option, says):
+    assert says in refused(capsys, [*fidelity_args(checkpoints, tmp_path / "fid"), *option])
+
+
+@pytest.mark.parametrize("fidelity", [False, True])
+def test_an_out_that_is_a_file_is_refused(checkpoints, tmp_path, capsys, no_model, fidelity):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for out, says in ((taken, f"--out {taken} is a file"), (taken / "runs", f"is inside {taken}, which is a file")):
+        args = fidelity_args(checkpoints, out) if fidelity else eval_args(checkpoints, write_data(tmp_path), out)
+        assert says in refused(capsys, args)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "m", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--model", "m", "--protocol", "r2"], "argument --protocol: invalid choice"),
+    (["--model", "m", "--limit", "two"], "argument --limit: expected a positive integer"),
+    (["--model", "m", "--temperature", "hot"], "argument --temperature: invalid float value"),
+    (["fidelity", "--model", "m", "--runs", "longflow:64", "--bogus"], "unrecognized arguments: --bogus"),
+    (["fidelity", "--model", "m", "--runs", "longflow:64", "--texts", "poems"], "argument --texts: invalid choice"),
+    (["fidelity", "--model", "m", "--runs", "longflow:64", "--tokens", "many"],
+     "argument --tokens: expected a positive integer"),
+    (["fidelity", "--runs", "longflow:64"], "the following arguments are required: --model"),
+])
+def test_bad_options_are_one_line_in_both_subcommands(capsys, argv, says):
+    assert says in refused(capsys, argv)
+
+
+def test_grading_without_math_verify_is_refused_before_the_model_loads(checkpoints, tmp_path, capsys, no_model,
+                                                                       monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if it were not installed
+    err = refused(capsys, eval_args(checkpoints, write_data(tmp_path), tmp_path / "runs"))
+    assert "grading answers needs math-verify: pip install" in err
+
+
+def test_a_model_without_a_chat_template_is_refused_as_it_loads(checkpoints, tmp_path, capsys):
+    """eval.py asks every question through the chat template; so does fidelity's `self` texts."""
+    import shutil
+    model = tmp_path / "no-template"
+    shutil.copytree(checkpoints["qwen3"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "runs"
+    err = refused(capsys, eval_args({"qwen3": model}, write_data(tmp_path), out))
+    assert f"{model} has no chat template" in err and "eval.py renders every question through it" in err
+    assert not (out / "mini_full_all.jsonl").exists()  # nothing generated
+    err = refused(capsys, [*fidelity_args({"qwen3": model}, tmp_path / "fid"), "--texts", "self"])
+    assert f"{model} has no chat template" in err
+
+
+def test_an_interrupted_fidelity_sweep_keeps_the_finished_budgets_and_says_so(checkpoints, tmp_path, capsys,
+                                                                             monkeypatch):
+    out, real, calls = tmp_path / "fid", ev.score_in_lock_step, []
+
+    def die_at_the_second_budget(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(ev, "score_in_lock_step", die_at_the_second_budget)
+    with pytest.raises(SystemExit) as stop:
+        ev.main([str(a) for a in fidelity_args(checkpoints, out)] + ["--runs", "longflow:40", "longflow:48"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 130
+    assert err.splitlines()[-1] == (f"interrupted: 1 of 2 runs are measured and saved in {out}; run the same "
+                                    "command to resume with the rest")
+    assert (out / "fidelity_longflow_40.json").exists() and not (out / "fidelity_longflow_48.json").exists()

@@ -56,6 +56,7 @@ def test_lock_step_kl_equals_kl_of_the_kept_distributions(checkpoints):
 
 @pytest.mark.parametrize("runs, message", [(["full"], "at least one compressed run"),
                                            (["longflow"], "every compressed run needs a budget")])
-def test_fidelity_without_a_run_to_compare_is_a_clear_error(checkpoints, tmp_path, runs, message):
-    with pytest.raises(SystemExit, match=message):
+def test_fidelity_without_a_run_to_compare_is_a_clear_error(checkpoints, tmp_path, capsys, runs, message):
+    with pytest.raises(SystemExit) as stop:
         fidelity(checkpoints["qwen3"], tmp_path / "fid", *runs)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
