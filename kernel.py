@@ -20,9 +20,14 @@ import math
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (macOS, Windows, some CPU-only installs): the CPU runs the PyTorch reference,
+    from types import SimpleNamespace  # and the kernels below are defined but can never be launched
+    triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=lambda x=None: x)
 
 
 def protected_mask(pos, n_sink: int, window: int):
@@ -338,5 +343,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
                      acc=None, limit=None, vnorm=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
+    if not hasattr(triton, "cdiv"):
+        raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
     return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
                                                limit, vnorm)
