@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import kernel
-from cache import POLICIES, KVCache, resolve_policy, unit_key_sum
+from cache import KV_DTYPES, POLICIES, KVCache, resolve_policy, unit_key_sum
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import (Engine, Parser, Sampler, State, Stepper, batch_that_fits, non_negative_int, pick_device,
                       positive_int, sync_time)
@@ -124,9 +124,14 @@ def bench_kernel(args, bw, _):
             "torch SDPA": (lambda q, k, v, p, n: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True),
                            0),
         }
-        for name, (fn, extra_bytes) in variants.items():
+        # an FP8 cache: K and V as e4m3 bits (half the bytes) and an fp32 scale per slot for each
+        fp8_sets = [(q, *kernel.quantize(k), *kernel.quantize(v), p, n) for q, k, v, p, n in sets]
+        fp8 = lambda q, k, ks, v, vs, p, n: kernel.decode_attention(q, k, v, p, vnorm=n, k_scale=ks, v_scale=vs)
+        fp8_bytes = 2 * B * Hkv * S * D + B * Hkv * S * (4 + 4 + 8)  # K, V e4m3; positions, ||v||_1, 2 scales
+        for name, (fn, extra_bytes), inputs in [(name, v, sets) for name, v in variants.items()] + \
+                [("longflow fp8", (fp8, fp8_bytes - kv_bytes), fp8_sets)]:
             it = iter(range(10**9))
-            t = graph_time(lambda: fn(*sets[next(it) % n_sets]), reps=max(n_sets, 20))
+            t = graph_time(lambda: fn(*inputs[next(it) % n_sets]), reps=max(n_sets, 20))
             rows.append(dict(workload="kernel", variant=name, batch=B, slots=S, us=t * 1e6,
                              bandwidth_fraction=(kv_bytes + extra_bytes) / t / bw))
         base = next(r["us"] for r in rows if r["batch"] == B and r["variant"] == "no selection")
@@ -164,13 +169,14 @@ class StepTimer:
     """The engine's own compiled, graph-captured decode step for one (policy, batch, slots); times its
     replays with the cache filled to any length. Only data changes between fills, so one capture serves."""
 
-    def __init__(self, model, policy: str, batch: int, slots: int, compile: bool):
+    def __init__(self, model, policy: str, batch: int, slots: int, compile: bool, kv_dtype: str = "auto"):
         self.model, self.policy, self.batch, self.slots = model, policy, batch, slots
+        self.kv_dtype, self.kv_storage = kv_dtype, KV_DTYPES[kv_dtype]
         self.device, self.dtype = model.inv_freq.device, model.model.norm.weight.dtype
         reset_peak(self.device)
         # the full cache has no budget: its slots are simply room for every token
         resolved = resolve_policy(policy, None if policy == "full" else slots)
-        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, resolved)
+        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, resolved, kv_dtype=self.kv_storage)
         self.state = State.empty(batch, self.device)
         t = time.perf_counter()
         sampler = Sampler.empty(batch, model.cfg.vocab_size, self.device)  # greedy rows, as the step runs any
@@ -202,7 +208,7 @@ class StepTimer:
     def kv_bytes_read(self, filled: int) -> int:
         """LongFlow reads every slot; the full cache reads the slots filled so far."""
         read = self.slots if self.policy != "full" else filled
-        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype, self.cache.policy)
+        return KVCache.bytes_needed(self.model.cfg, self.batch, read, self.dtype, self.cache.policy, self.kv_storage)
 
     def free(self):
         self.stepper = self.cache = self.state = None
@@ -213,25 +219,33 @@ class StepTimer:
 def fill_cache(cache: KVCache, filled: int):
     """Random K/V in the first `filled` slots of every layer and sequence, positions 0..filled-1."""
     for layer in cache.layers:
-        layer.k.normal_()
-        layer.v.normal_()
+        if cache.fp8:  # random e4m3 bits below 0x7F (NaN), so finite values in [0, 448], scaled to [0, 1]
+            layer.k.random_(0, 0x7F)
+            layer.v.random_(0, 0x7F)
+            layer.k_scale.fill_(1 / 448)
+            layer.v_scale.fill_(1 / 448)
+        else:
+            layer.k.normal_()
+            layer.v.normal_()
+        keys = lambda: kernel.dequantize(layer.k, layer.k_scale) if cache.fp8 else layer.k  # a layer at a time
         if cache.policy.keeps_vnorm:
-            layer.vnorm.copy_(kernel.l1_norm(layer.v))
+            layer.vnorm.copy_(kernel.l1_norm(kernel.dequantize(layer.v, layer.v_scale) if cache.fp8 else layer.v))
         if cache.policy.keeps_queries:
             layer.queries.normal_()
         if cache.policy.keeps_key_norm:
-            layer.score.copy_(layer.k.float().norm(dim=-1))
+            layer.score.copy_(keys().float().norm(dim=-1))
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
         if cache.policy.keeps_key_sum:
-            layer.key_sum.copy_(unit_key_sum(layer.k, layer.pos))
+            layer.key_sum.copy_(unit_key_sum(keys(), layer.pos))
         layer.next_slot.fill_(min(filled, cache.slots - 1))
 
 
 def step_row(timer: StepTimer, filled: int, bw: float, **extra) -> dict:
     t = timer.seconds_per_step(filled)
     floor = (weight_bytes(timer.model) + timer.kv_bytes_read(filled)) / bw
-    return dict(policy=timer.policy, batch=timer.batch, slots=timer.slots, kv_tokens=filled, ms_per_step=t * 1e3,
+    return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, batch=timer.batch, slots=timer.slots, kv_tokens=filled,
+                ms_per_step=t * 1e3,
                 tokens_per_s=timer.batch / t, floor_fraction=floor / t, compile_s=timer.compile_s,
                 peak_gib=peak_gib(timer.device), **extra)
 
@@ -245,7 +259,7 @@ def bench_step(args, bw, model):
     for policy in args.policy:
         for B in args.batch:
             slots = args.budget if policy != "full" else args.context + 64
-            timer = StepTimer(model, policy, B, slots, args.compile)
+            timer = StepTimer(model, policy, B, slots, args.compile, args.kv_dtype)
             finished(step_row(timer, args.budget if policy != "full" else args.context, bw, workload="step"))
             if args.profile:
                 timer.profile()
@@ -261,12 +275,13 @@ def bench_throughput(args, bw, model):
         slots = slots_for(policy, args)
         fits = None
         if args.device.type == "cuda":
-            fits = batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0], args.dtype)
+            fits = batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0], args.dtype,
+                                   kv_dtype=KV_DTYPES[args.kv_dtype])
         if not args.batch and fits == 0:
             raise ValueError(f"not even one sequence of {slots} KV slots ({policy}) fits in free GPU memory; "
                              f"lower --budget, --prompt-len or --new-tokens")
         for B in args.batch or [fits]:
-            timer = StepTimer(model, policy, B, slots, args.compile)
+            timer = StepTimer(model, policy, B, slots, args.compile, args.kv_dtype)
             if policy == "full":
                 span = max(args.new_tokens - 64, 0)  # room for the timed steps after the last fill
                 fills = [args.prompt_len + round(f * span) for f in (0, .25, .5, .75, 1)]
@@ -275,7 +290,8 @@ def bench_throughput(args, bw, model):
             steps = [step_row(timer, f, bw) for f in fills]
             ms = run_mean([r["ms_per_step"] for r in steps])
             floor_ms = run_mean([r["ms_per_step"] * r["floor_fraction"] for r in steps])
-            rows.append(dict(workload="throughput", policy=policy, batch=B, slots=slots, fits=fits,
+            rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype, batch=B, slots=slots,
+                             fits=fits,
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
                              floor_fraction=floor_ms / ms, peak_gib=steps[-1]["peak_gib"],
                              compile_s=timer.compile_s))
@@ -334,7 +350,7 @@ def run_mean(values: list[float]) -> float:
 def new_engine(model, args) -> Engine:
     """An engine that runs past the model's trained context: the tokens here are random, only their number
     counts (a 128k prompt on a checkpoint trained for 128k would be refused for its new tokens)."""
-    return Engine(model, compile=args.compile, allow_long_context=True)
+    return Engine(model, compile=args.compile, allow_long_context=True, kv_dtype=KV_DTYPES[args.kv_dtype])
 
 
 def bench_generate(args, bw, model):
@@ -442,11 +458,11 @@ WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_thr
 # refused; --device and --json apply to all.
 READS = {
     "kernel": {"batch", "slots"},
-    "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot"},
-    "throughput": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile",
+    "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot", "kv_dtype"},
+    "throughput": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype",
                    "validate", "plot"},
-    "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile"},
-    "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile"},
+    "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype"},
+    "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "hf": {"shape", "batch", "prompt_len", "new_tokens"},
 }
 
@@ -469,6 +485,8 @@ def parser() -> Parser:
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--profile", action="store_true", help="step: print the step's slowest kernels (needs a GPU)")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                   help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 and per-slot scales)")
     p.add_argument("--validate", type=non_negative_int, default=0,
                    help="throughput: also run this many new tokens end to end and compare with the prediction")
     p.add_argument("--json", default=None, help="write the raw rows here")

@@ -223,8 +223,10 @@ def pool_in_position_order(x, pos, size: int):
 class Layer:
     """One layer's slots and what is kept beside them. A plain object of tensors (the layer number is a
     tensor too), so the decode step compiles one layer and runs that code for every layer."""
-    k: torch.Tensor  # [B, H_kv, S, D] keys after RoPE
+    k: torch.Tensor  # [B, H_kv, S, D] keys after RoPE (FP8 cache: uint8 e4m3 bits, see kernel.quantize)
     v: torch.Tensor  # [B, H_kv, S, D]
+    k_scale: torch.Tensor  # [B, H_kv, S] fp32 with an FP8 cache (a key is k * k_scale), else a stand-in
+    v_scale: torch.Tensor  # [B, H_kv, S] fp32 likewise
     pos: torch.Tensor  # [B, H_kv, S] int32 position of the token in each slot, -1 = empty
     next_slot: torch.Tensor  # [B, H_kv] int64 where the next token goes
     score: torch.Tensor  # [B, H_kv, S] fp32 accumulated scores (h2o, vatp) or key norms (knorm, keydiff, rkv)
@@ -234,12 +236,19 @@ class Layer:
     index: torch.Tensor  # [] int64 the layer number (the random rule hashes it)
 
 
+KV_DTYPES = {"auto": None, "fp8": kernel.FP8}  # what the cache stores K and V in (auto: the model's dtype)
+
+
 class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
-                 prompt_rule: str = "snapkv"):
+                 prompt_rule: str = "snapkv", kv_dtype: torch.dtype | None = None):
+        """dtype: the model's; kv_dtype: what K and V are stored in, dtype (None) or kernel.FP8 (e4m3 with a
+        scale per token and KV head)."""
         if isinstance(policy, str):  # a name: its protections sized for these slots
             policy = resolve_policy(policy, None if policy == "full" else slots)
-        self.policy = policy
+        if kv_dtype not in (None, dtype, kernel.FP8):
+            raise ValueError(f"a KV cache stores the model's dtype or FP8 (e4m3), not {kv_dtype}")
+        self.policy, self.dtype, self.fp8 = policy, dtype, kv_dtype == kernel.FP8
         check_prompt_rule(prompt_rule)
         self.prompt_rule, self.slots = prompt_rule, slots
         self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]
@@ -249,9 +258,10 @@ class KVCache:
         # place, where a mutated slice of a larger input would be copied whole, every layer, every step
         shape = (batch, cfg.n_kv_heads, slots)
         f32 = lambda used, shape=shape: torch.zeros(shape if used else (1, 1, 1), device=device)  # stand-in if unused
-        p = self.policy
-        return Layer(k=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
-                     v=torch.zeros(*shape, cfg.head_dim, device=device, dtype=dtype),
+        p, stored = self.policy, torch.uint8 if self.fp8 else dtype
+        return Layer(k=torch.zeros(*shape, cfg.head_dim, device=device, dtype=stored),
+                     v=torch.zeros(*shape, cfg.head_dim, device=device, dtype=stored),
+                     k_scale=f32(self.fp8), v_scale=f32(self.fp8),
                      pos=torch.full(shape, -1, device=device, dtype=torch.int32),
                      next_slot=torch.zeros(shape[:2], device=device, dtype=torch.int64),
                      score=f32(p.keeps_score), vnorm=f32(p.keeps_vnorm),
@@ -261,11 +271,13 @@ class KVCache:
                      index=torch.tensor(index, device=device))
 
     @staticmethod
-    def bytes_needed(cfg, batch: int, slots: int, dtype, policy: Policy | None = None) -> int:
-        """K and V, the int32 position and the fp32 values the policy keeps beside each slot (policy None:
-        the most any policy keeps, for sizing a batch)."""
-        fp32_kept = 2 if policy is None else policy.keeps_vnorm + policy.keeps_score
-        per_slot = 2 * cfg.head_dim * dtype.itemsize + 4 + 4 * fp32_kept
+    def bytes_needed(cfg, batch: int, slots: int, dtype, policy: Policy | None = None,
+                     kv_dtype: torch.dtype | None = None) -> int:
+        """K and V (in kv_dtype, default dtype; FP8 with its two fp32 scales), the int32 position and the
+        fp32 values the policy keeps beside each slot (policy None: the most any policy keeps, for sizing a
+        batch)."""
+        fp32_kept = (2 if policy is None else policy.keeps_vnorm + policy.keeps_score) + 2 * (kv_dtype == kernel.FP8)
+        per_slot = 2 * cfg.head_dim * (kv_dtype or dtype).itemsize + 4 + 4 * fp32_kept
         per_row = 4 * cfg.head_dim if policy is None or policy.keeps_key_sum else 0  # key_sum, per KV head
         queries = cfg.n_heads * RKV_QUERIES * cfg.head_dim * dtype.itemsize \
             if policy is None or policy.keeps_queries else 0
@@ -283,15 +295,25 @@ class KVCache:
         B, H, D = k.shape
         # (row, head, slot) index triples: index_put_ is what the compiler turns into an in-place store
         at = (torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :], c.next_slot)
+        if self.fp8:  # from here on k and v are the values the cache holds, which the rules score
+            (k_bits, k_scale), (v_bits, v_scale) = kernel.quantize(k), kernel.quantize(v)
+            k, v = kernel.dequantize(k_bits, k_scale, k.dtype), kernel.dequantize(v_bits, v_scale, v.dtype)
         if p.keeps_key_sum:  # the running sum of unit keys: the evicted key's leaves, the new one's comes
             held = (c.pos[at] >= 0)[..., None]  # [B, H_kv, 1]
-            c.key_sum.add_(unit(k) - unit(c.k[at]) * held)
+            old = kernel.dequantize(c.k[at], c.k_scale[at]) if self.fp8 else c.k[at]
+            c.key_sum.add_(unit(k) - unit(old) * held)
         if p.keeps_queries:  # the ring of the last W queries, at column position % W
             W = c.queries.shape[2]
             c.queries.index_put_((at[0], torch.arange(q.shape[1], device=q.device)[None, :],
                                   (positions % W)[:, None].expand(B, q.shape[1])), q)
-        c.k.index_put_(at, k)
-        c.v.index_put_(at, v)
+        if self.fp8:
+            c.k.index_put_(at, k_bits)
+            c.v.index_put_(at, v_bits)
+            c.k_scale.index_put_(at, k_scale)
+            c.v_scale.index_put_(at, v_scale)
+        else:
+            c.k.index_put_(at, k)
+            c.v.index_put_(at, v)
         c.pos.index_put_(at, positions.int()[:, None].expand(B, H))
         if p.keeps_vnorm:  # computed once, here, so the kernel never reduces V tiles for it
             c.vnorm.index_put_(at, kernel.l1_norm(v))
@@ -303,15 +325,20 @@ class KVCache:
         out, evict = attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window,
                             select=p.rule == "kernel", value_norm=p.value_norm, acc=c.score if p.accumulate else None,
                             limit=c.next_slot + 1 if p.rule == "fill" else None,
-                            vnorm=c.vnorm if p.keeps_vnorm else None)
+                            vnorm=c.vnorm if p.keeps_vnorm else None,
+                            k_scale=c.k_scale if self.fp8 else None, v_scale=c.v_scale if self.fp8 else None)
         # a full cache is sized for every token, so slots fill in order; a finished sequence that steps on
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
             evict = (c.next_slot + 1).clamp(max=self.slots - 1)
         elif p.rule != "kernel":  # the rules that need no attention pick in PyTorch
-            evict = argmin_slot(rule_score(p, c, positions), c.pos, p)
+            evict = argmin_slot(rule_score(p, self.readable(c), positions), c.pos, p)
         c.next_slot.copy_(evict)
         return out
+
+    def readable(self, c: Layer) -> Layer:
+        """The layer with its keys as values (dequantized, for an FP8 cache), for the rules that read them."""
+        return replace(c, k=kernel.dequantize(c.k, c.k_scale, self.dtype)) if self.fp8 else c
 
     # ---- prefill: a batch of (right-padded) prompts ------------------------------------------------
     def prefill(self, layer: Layer, q, k, v, positions, rows):
@@ -335,8 +362,14 @@ class KVCache:
             seed = seed.gather(2, keep) if seed is not None else None
             T = S - 1
         c.pos[rows] = -1  # a reused row forgets its previous sequence
-        c.k[rows, :, :T] = k
-        c.v[rows, :, :T] = v
+        if self.fp8:  # the prompt attended at full precision; the cache holds it quantized, and the rules see that
+            (k_bits, k_scale), (v_bits, v_scale) = kernel.quantize(k), kernel.quantize(v)
+            c.k[rows, :, :T], c.v[rows, :, :T] = k_bits, v_bits
+            c.k_scale[rows, :, :T], c.v_scale[rows, :, :T] = k_scale, v_scale
+            k, v = kernel.dequantize(k_bits, k_scale, k.dtype), kernel.dequantize(v_bits, v_scale, v.dtype)
+        else:
+            c.k[rows, :, :T] = k
+            c.v[rows, :, :T] = v
         c.pos[rows, :, :T] = pos.int()
         if p.accumulate:
             c.score[rows] = 0.0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import POLICIES, PROMPT_RULES, KVCache, Policy, hash32, is_int, resolve_policy
+from cache import KV_DTYPES, POLICIES, PROMPT_RULES, KVCache, Policy, hash32, is_int, resolve_policy
 from model import MLP_TOKENS, Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
@@ -288,11 +288,11 @@ PREFILL_TOKENS = 16384  # prompts are prefilled in groups of about this many (pa
 SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fragmentation
 
 
-def bytes_per_row(cfg, slots: int, dtype, extra: int = 0) -> int:
-    """GPU memory one more sequence costs: its KV slots, its share of the decode step's logits,
-    probabilities, noise and sort buffers (fp32/int64 over the vocabulary: 40 bytes per id), the ids its
-    repetition penalty has seen (1 byte per id), and `extra` bytes."""
-    return KVCache.bytes_needed(cfg, 1, slots, dtype) + 41 * cfg.vocab_size + extra
+def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
+    """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
+    decode step's logits, probabilities, noise and sort buffers (fp32/int64 over the vocabulary: 40 bytes
+    per id), the ids its repetition penalty has seen (1 byte per id), and `extra` bytes."""
+    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + 41 * cfg.vocab_size + extra
 
 
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
@@ -304,10 +304,10 @@ def prefill_bytes(cfg, tokens: int, dtype) -> int:
     return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads) + mlp + 2**28
 
 
-def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extra: int = 0) -> int:
+def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extra: int = 0, kv_dtype=None) -> int:
     """The most sequences whose cache and decode buffers fit in `free` bytes, after prefill's needs."""
     fixed = prefill_bytes(cfg, max(PREFILL_TOKENS, longest_prompt), dtype) + SPARE
-    return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype, extra))
+    return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype, extra, kv_dtype))
 
 
 # ---- the generation loop ------------------------------------------------------------------------------
@@ -321,12 +321,14 @@ class Stats:
     decode_s: float
     policy: str  # the eviction rule, "full" for none
     slots: int  # KV slots per sequence and layer
+    kv_dtype: str  # what K and V are stored in
     kv_bytes: int
-    full_kv_bytes: int  # what a full cache for the same rows would need: each holding the longest sequence
+    full_kv_bytes: int  # what a full cache (of the same kv_dtype) for the same rows would need, each holding
+    #                     the longest sequence
 
     def line(self) -> str:
         rate = self.generated_tokens / max(self.prefill_s + self.decode_s, 1e-9)
-        kv = f"KV cache {self.policy}, {self.slots} slots/seq, {self.kv_bytes / 2**20:.1f} MiB"
+        kv = f"KV cache {self.policy}, {self.slots} slots/seq in {self.kv_dtype}, {self.kv_bytes / 2**20:.1f} MiB"
         if self.policy != "full":
             kv += f" (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)"
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok in "
@@ -357,12 +359,13 @@ class Engine:
     seen at the next sync), the next waiting prompt is prefilled into its row of the cache and
     decoding goes on; the captured step never notices."""
 
-    def __init__(self, model: Transformer, compile=True, sync_every=16, allow_long_context=False):
+    def __init__(self, model: Transformer, compile=True, sync_every=16, allow_long_context=False, kv_dtype=None):
         """allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise:
-        RoPE positions past the trained context give garbage)."""
+        RoPE positions past the trained context give garbage). kv_dtype: what the cache stores K and V in,
+        None (the model's dtype) or kernel.FP8."""
         assert 0 < sync_every < RING
         self.model, self.compile, self.sync_every = model, compile, sync_every
-        self.allow_long_context = allow_long_context
+        self.allow_long_context, self.kv_dtype = allow_long_context, kv_dtype
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -459,8 +462,9 @@ class Engine:
         longest = max(len(p) + len(o) for p, o in zip(prompts, outs))  # what a full cache of these rows holds
         return Stats(sum(map(len, prompts)), sum(map(len, outs)), batch, setup_s, run.prefill_s,
                      seconds - run.prefill_s, policy.name or policy.rule, slots,
-                     KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy),
-                     KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"]))
+                     "fp8" if self.kv_dtype is not None else str(self.dtype).removeprefix("torch."),
+                     KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
+                     KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"], self.kv_dtype))
 
     def _check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""
@@ -477,7 +481,7 @@ class Engine:
         free = torch.cuda.mem_get_info(self.device)[0]
         if self.cache is not None:
             free += KVCache.bytes_needed(self.model.cfg, self.state.tokens.shape[0], self.cache.slots, self.dtype,
-                                         self.cache.policy)
+                                         self.cache.policy, self.kv_dtype)
         return free
 
     def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int, extra: int = 0) -> int:
@@ -485,7 +489,7 @@ class Engine:
         per row beyond the cache and the decode step's buffers."""
         batch = min(asked or n_prompts, n_prompts)
         if self.device.type != "cuda":  # only a check that the cache can exist in this machine's memory
-            need = KVCache.bytes_needed(self.model.cfg, batch, slots, self.dtype)
+            need = KVCache.bytes_needed(self.model.cfg, batch, slots, self.dtype, kv_dtype=self.kv_dtype)
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if need > ram:
                 raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.1f} GiB, more than "
@@ -493,11 +497,11 @@ class Engine:
                                  f"--max-new-tokens or --budget")
             return batch
         free = self.free_bytes()
-        fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra)
+        fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra, self.kv_dtype)
         if asked is None and fits > 0:
             return min(batch, fits)
         if batch > fits:
-            need = (batch * bytes_per_row(self.model.cfg, slots, self.dtype, extra) + SPARE
+            need = (batch * bytes_per_row(self.model.cfg, slots, self.dtype, extra, self.kv_dtype) + SPARE
                     + prefill_bytes(self.model.cfg, max(PREFILL_TOKENS, longest), self.dtype))
             raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.2f} GiB of GPU "
                              f"memory but {free / 2**30:.2f} GiB is free ({fits} would fit); lower the "
@@ -514,7 +518,8 @@ class Engine:
         self.key = self.stepper = self.cache = self.state = self.mode = None  # free the old cache first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule)
+        self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule,
+                             self.kv_dtype)
         self.state = State.empty(batch, self.device)
         vocab = self.model.cfg.vocab_size
         self.mode = Sampler.empty(batch, vocab, self.device) if mode == "sample" else \
@@ -741,6 +746,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-compression", default=None, choices=PROMPT_RULES,
                    help="how a prompt longer than --budget is cut: snapkv, streaming, or decode (the policy's "
                         "rule); default: snapkv")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                   help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 and a scale per token "
+                        "and KV head: half the bytes of bf16)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens generated at most")
     p.add_argument("--allow-long-context", action="store_true",
                    help="let prompt + new tokens run past the model's max_position_embeddings")
@@ -803,7 +811,8 @@ def run(args):
         raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
     chat = tok.template is not None if args.chat is None else args.chat
     ids = tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
-    engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context)
+    engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
+                    kv_dtype=KV_DTYPES[args.kv_dtype])
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
     sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     printed = []
@@ -837,7 +846,8 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     if engine.device.type != "cuda":
         raise ValueError("--batch-size max sizes the batch from free GPU memory; give a number on the CPU")
     slots = prompt_len + args.max_new_tokens if args.budget is None else args.budget
-    fits = batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(), engine.dtype)
+    fits = batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(), engine.dtype,
+                           kv_dtype=engine.kv_dtype)
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")
     return fits

@@ -24,7 +24,7 @@ def check_own_modules():
 
 
 check_own_modules()
-from cache import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
+from cache import KV_DTYPES, resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
 from generate import Engine, Interrupted, Sampling, Stats, pick_device  # noqa: E402
 from model import load  # noqa: E402
 
@@ -45,18 +45,24 @@ class Score:
 class LLM:
     def __init__(self, model: str, budget: int | None = None, policy: str | None = None,
                  device=None, dtype=None, compile: bool = True, sinks: int | None = None,
-                 window: int | None = None, prompt_compression: str = "snapkv", allow_long_context: bool = False):
+                 window: int | None = None, prompt_compression: str = "snapkv", allow_long_context: bool = False,
+                 kv_dtype: str = "auto"):
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
         cache.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm). sinks / window: first /
         most recent tokens never evicted (default: the policy's own). prompt_compression: for prompts
         longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
-        allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise)."""
+        allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise).
+        kv_dtype: "auto" (K and V in the model's dtype) or "fp8" (float8 e4m3 and a scale per token and KV
+        head: about half the bytes of bf16, so about twice the sequences fit)."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         self.set_policy(budget, policy, sinks, window, prompt_compression)
         self.device, self.dtype = pick_device(device, dtype)
         self.model, self.tokenizer = load(model, self.device, self.dtype)
-        self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context)
+        self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context,
+                             kv_dtype=KV_DTYPES[kv_dtype])
         self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)
 
     def set_policy(self, budget: int | None, policy: str | None = None, sinks: int | None = None,

@@ -7,6 +7,8 @@ import torch
 
 import torch.nn.functional as F
 
+import kernel
+
 from cache import (POLICIES, SNAPKV_WINDOW, KVCache, attention_column_sums, random_score, resolve_policy,
                    snapkv_score, top_tokens)
 from generate import Engine
@@ -464,3 +466,45 @@ def test_h2o_compresses_a_long_prompt_by_its_accumulated_score(qwen3):
     kept = c.pos[0, 0, :59]
     assert kept.tolist() == sorted(kept.tolist())  # prompt order
     assert (c.score[0, :, :59] > 0).all()  # seeded, not zero
+
+
+# ---- an FP8 cache ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "full"])
+def test_every_policy_keeps_its_budget_with_an_fp8_cache(qwen3, policy):
+    """The prompts and 60 new tokens overflow 53 slots (vatp's smallest budget): every rule evicts from a cache of
+    e4m3 bits, and the norms it keeps are those of the values the cache holds."""
+    model, tok = qwen3
+    engine = Engine(model, compile=False, kv_dtype=kernel.FP8)
+    outs, stats = engine.generate(prompts_of(tok), 60, [], budget=53, policy=policy)
+    assert [len(o) for o in outs] == [60] * 3 and "in fp8" in stats.line()
+    for layer in engine.cache.layers:
+        held = layer.pos >= 0
+        assert layer.k.dtype == torch.uint8 and (held.sum(-1) == 53).all()
+        values = kernel.dequantize(layer.v, layer.v_scale)
+        if engine.cache.policy.keeps_vnorm:
+            assert torch.equal(layer.vnorm[held], kernel.l1_norm(values)[held])
+        if engine.cache.policy.keeps_key_norm:
+            torch.testing.assert_close(layer.score[held], kernel.dequantize(layer.k, layer.k_scale).norm(dim=-1)[held])
+
+
+def test_fp8_cache_bytes_count_one_byte_a_value_and_two_scales_a_slot(qwen3):
+    cfg = qwen3[0].cfg
+    for policy in ("longflow", "rkv", "full"):
+        cache = KVCache(cfg, 2, 40, "cpu", torch.float32, policy, kv_dtype=kernel.FP8)
+        kept = [t for layer in cache.layers for name, t in vars(layer).items()
+                if name not in ("next_slot", "index") and t.numel() > 1]  # not the stand-ins of unused buffers
+        assert KVCache.bytes_needed(cfg, 2, 40, torch.float32, cache.policy, kernel.FP8) == \
+            sum(t.numel() * t.element_size() for t in kept)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["longflow", "h2o", "rkv", "full"])
+def test_fp8_cache_step_compiled_and_replayed_matches_eager_and_never_recompiles(checkpoints, policy):
+    model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.float32)  # fp32: compiled == eager
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
+    budget = None if policy == "full" else 53
+    eager, _ = Engine(model, compile=False, kv_dtype=kernel.FP8).generate(prompts, 80, [], budget, policy)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        graphed, _ = Engine(model, kv_dtype=kernel.FP8).generate(prompts, 80, [], budget, policy)
+    assert graphed == eager

@@ -357,3 +357,57 @@ def test_limit_reads_only_the_filled_prefix(B, S):
     want = kernel.decode_attention_ref(q, k, v, pos.masked_fill(beyond, -1), select=False)
     assert_same(kernel.decode_attention(q, k, v, pos, select=False, limit=limit), want)
     assert_same(kernel.decode_attention_ref(q, k, v, pos, select=False, limit=limit), want)
+
+
+# ---- an FP8 cache: e4m3 bits and a scale per slot -----------------------------------------------------
+def test_fp8_round_trip_is_within_e4m3_rounding():
+    """e4m3 keeps 3 mantissa bits: a value rounds to within 2^-4 of itself, and below e4m3's smallest
+    normal (2^-6 of the scale's 448) to within half its subnormal step (2^-10 of the scale)."""
+    x = torch.randn(3, 5, 64) * torch.logspace(-4, 2, 64)  # magnitudes over six decades in each vector
+    bits, scale = kernel.quantize(x)
+    assert bits.dtype == torch.uint8 and scale.shape == (3, 5)
+    err = (kernel.dequantize(bits, scale) - x).abs()
+    bound = torch.maximum(x.abs() * 2**-4, scale[..., None] * 2**-10)
+    assert (err <= bound * (1 + 1e-6)).all()
+    # the largest |value| of each vector maps to 448 exactly: no saturation, nothing wasted
+    assert torch.equal(bits.view(kernel.FP8).float().abs().amax(-1), torch.full((3, 5), 448.0))
+
+
+def fp8_inputs(*shape, n_empty=0, seed=0, dtype=torch.float32):
+    """make_inputs with K and V quantized: (q, k bits, v bits, pos), and the scales."""
+    q, k, v, pos = make_inputs(*shape, n_empty=n_empty, seed=seed, dtype=dtype)
+    (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v)
+    return (q, k, v, pos), dict(k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+@pytest.mark.parametrize("B, H_q, H_kv, D, S, n_empty", [
+    (2, 8, 2, 64, 100, 5), (1, 8, 1, 128, 333, 20), (1, 6, 2, 128, 70, 69)])
+def test_fp8_kernel_matches_reference(B, H_q, H_kv, D, S, n_empty, per_head):
+    args, scales = fp8_inputs(B, H_q, H_kv, S, D, n_empty=n_empty)
+    vnorm = kernel.l1_norm(kernel.dequantize(args[2], scales["v_scale"]))
+    for options in (dict(), dict(vnorm=vnorm), dict(n_sink=4, window=8), dict(value_norm=False), dict(select=False)):
+        assert_same(kernel.decode_attention(*args, per_head=per_head, **scales, **options),
+                    kernel.decode_attention_ref(*args, per_head=per_head, **scales, **options))
+
+
+def test_fp8_reference_attends_the_values_the_cache_holds():
+    (q, k, v, pos), scales = fp8_inputs(2, 8, 2, 50, 64, n_empty=3)
+    held = kernel.dequantize(k, scales["k_scale"]), kernel.dequantize(v, scales["v_scale"])
+    assert_same(kernel.decode_attention_ref(q, k, v, pos, **scales), kernel.decode_attention_ref(q, *held, pos))
+
+
+@gpu_only
+@pytest.mark.parametrize("B, S", [(1, 3200), (64, 3200), (256, 3200)])  # Qwen3-8B heads
+def test_fp8_kernel_with_bf16_queries_matches_reference_within_tolerance(B, S):
+    (q, k, v, pos), scales = fp8_inputs(B, 32, 8, S, 128, dtype=torch.bfloat16)
+    out, evict = kernel.decode_attention(q, k, v, pos, **scales)
+    want, _ = kernel.decode_attention_ref(q, k, v, pos, **scales)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)  # bf16 logits and weights, as without FP8
+    # near-tied slots may swap under bf16 rounding: the chosen slot's score must be minimal within a
+    # tolerance, judged by the formula in fp32 on the values the cache holds
+    keys, values = kernel.dequantize(k, scales["k_scale"]), kernel.dequantize(v, scales["v_scale"])
+    logits = q.float().view(B, 8, 4, 128) @ keys.transpose(-1, -2) / math.sqrt(128)
+    score = (logits.softmax(-1) * values.abs().sum(-1)[:, :, None]).mean((1, 2))  # [B, S]
+    chosen = score.gather(-1, evict[:, :1])[:, 0]
+    assert (chosen <= score.amin(-1) * 1.02 + 1e-6).all()
