@@ -400,13 +400,16 @@ def needle_kept(llm, conv: list[dict], item: dict, ids: list[int] | None = None)
 # ---------------------------------------------------------------------------------------------
 # Running a model: one JSONL line per (item, sample), resumable, then a summary.
 
-def run_file(out_dir: Path, data: str, policy: str, budget: int | None, rule: str = "snapkv") -> Path:
-    return out_dir / f"{Path(data).stem}_{run_name(policy, budget, rule, '_')}.jsonl"
+def run_file(out_dir: Path, data: str, policy: str, budget: int | None, rule: str = "snapkv",
+             kv_dtype: str = "auto") -> Path:
+    return out_dir / f"{Path(data).stem}_{run_name(policy, budget, rule, '_', kv_dtype)}.jsonl"
 
 
-def run_name(policy: str, budget: int | None, rule: str, sep=":") -> str:
-    """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV."""
-    return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []))
+def run_name(policy: str, budget: int | None, rule: str, sep=":", kv_dtype: str = "auto") -> str:
+    """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV; :fp8 at the end
+    for an FP8 cache."""
+    return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []) +
+                    (["fp8"] if kv_dtype == "fp8" else []))
 
 
 ROW_KEYS = ("index", "sample", "correct", "tokens", "budget_full")  # what resuming and summaries read of a row
@@ -655,11 +658,11 @@ def self_texts(llm, model: str, n: int, tokens: int, seed: int, path: Path) -> l
 
 
 def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
-                       batch_size: int | None) -> tuple[list, list[list]]:
+                       batch_size: int | None, kv_dtype: str = "auto") -> tuple[list, list[list]]:
     """Score every text with the full cache and with each (policy, budget, prompt rule) run, advancing them in turn
     one host sync at a time. Returns the full cache's scores and, per run, its scores with a "kl" list
     per text (KL(full || run) at every position)."""
-    from cache import resolve_policy
+    from cache import KV_DTYPES, resolve_policy
     from generate import Engine
     prompts, conts = [t["prompt"] for t in texts], [t["continuation"] for t in texts]
     # one batch size for all: rows refill at the same steps, so the blocks of every run line up
@@ -681,7 +684,9 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
                 del reference[p, index]
         return on_dists
 
-    engines = [Engine(llm.model, compile=llm.engine.compile) for _ in range(len(runs) + 1)]
+    # the reference keeps the model's dtype; the runs store their cache in kv_dtype
+    engines = [Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype] if i else None)
+               for i in range(len(runs) + 1)]
     steps = [engines[0].score_steps(prompts, conts, None, "full", batch_size, on_dists=keep)]
     for r, (engine, (policy, budget, rule)) in enumerate(zip(engines[1:], runs)):
         steps.append(engine.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule),
@@ -727,13 +732,15 @@ def compare_scores(full, run, kl, measure_from: int, seed: int = 0) -> dict:
     return dict(out, per_text=per_text)
 
 
-def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: int, full_outs) -> dict:
+def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: int, full_outs,
+                    kv_dtype: str = "auto") -> dict:
     """Greedy generation of `tokens` tokens from each text's prompt against the full cache's: the first
     position where they differ (tokens if none) and the share of equal positions, averaged over texts."""
+    from cache import KV_DTYPES
+    from generate import Engine
     policy, budget, rule = run
-    llm.set_policy(budget, policy, prompt_compression=rule)
-    outs = [o.token_ids for o in llm.generate([t["prompt"] for t in texts], max_new_tokens=tokens,
-                                            ignore_eos=True)]
+    engine = Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype])
+    outs, _ = engine.generate([t["prompt"] for t in texts], tokens, [], budget, policy, prompt_rule=rule)
     first = [next((i for i, (a, b) in enumerate(zip(o, f)) if a != b), tokens) for o, f in zip(outs, full_outs)]
     equal = [sum(a == b for a, b in zip(o, f)) / tokens for o, f in zip(outs, full_outs)]
     return {"first_divergence": sum(first) / len(first), "equal_share": sum(equal) / len(equal)}
@@ -741,21 +748,24 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
 
 def policy_label(summary: dict) -> str:
     rule = summary["prompt_compression"]
-    return summary["policy"] + ("" if rule == "snapkv" else f" ({rule} prompts)")
+    fp8 = " fp8" if summary.get("kv_dtype") == "fp8" else ""
+    return summary["policy"] + fp8 + ("" if rule == "snapkv" else f" ({rule} prompts)")
 
 
 def write_fidelity_table(summaries: list[dict], out_dir: Path):
     """fidelity.md (one row per run) and fidelity.png (NLL increase against budget, a line per policy)."""
     lines = ["| policy | budget | NLL increase (nats/token) | top-1 agreement | KL(full ‖ run) | "
              "free generation: first divergence | equal tokens |", "|---|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (policy_label(s), s["budget"])):
-        lines.append(f"| {policy_label(s)} | {s['budget']} | {s['nll_increase']:+.3f} ± {s['nll_increase_err']:.3f} | "
+    for s in sorted(summaries, key=lambda s: (policy_label(s), s["budget"] or 0)):
+        lines.append(f"| {policy_label(s)} | {s['budget'] or 'all'} | {s['nll_increase']:+.3f} ± "
+                     f"{s['nll_increase_err']:.3f} | "
                      f"{100 * s['top1']:.1f}% ± {100 * s['top1_err']:.1f} | {s['kl']:.3f} ± {s['kl_err']:.3f} | "
                      f"{s['first_divergence']:.0f} | {100 * s['equal_share']:.0f}% |")
     plt = write_table_and_pyplot(lines, out_dir / "fidelity.md")
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    summaries = [s for s in summaries if s["budget"]]  # a full FP8 cache has no budget to plot against
     for policy in sorted({policy_label(s) for s in summaries}):
         pts = sorted((s["budget"], s["nll_increase"], s["nll_increase_err"]) for s in summaries
                      if policy_label(s) == policy)
@@ -797,6 +807,9 @@ def parse_fidelity_args(argv):
     p.add_argument("--batch-size", type=positive_int, default=None, help="texts scored together (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/fidelity")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the compared runs' KV cache (the reference stays in the model's dtype); with fp8, "
+                        "`full` is a run too: every token kept, in FP8")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -824,7 +837,7 @@ def run_fidelity(args):
     import time
 
     import tinyflow
-    runs = fidelity_runs(args.runs)
+    runs = fidelity_runs(args.runs, args.kv_dtype)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = []  # the runs whose results are on disk: what an interrupted sweep reports
@@ -842,7 +855,7 @@ def run_fidelity(args):
         # the numbers depend on the dtype and, to rounding, the device; and on the very tokens read
         settings.update(device=llm.device.type, dtype=str(llm.dtype), texts_sha256=hashlib.sha256(
             json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
-        path = lambda policy, budget, rule: out_dir / f"fidelity_{run_name(policy, budget, rule, '_')}.json"
+        path = lambda policy, budget, rule: out_dir / f"fidelity_{run_name(policy, budget, rule, '_', args.kv_dtype)}.json"
         todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
         saved += [r for r in runs if r not in todo]
         llm.set_policy(None, "full")
@@ -850,19 +863,20 @@ def run_fidelity(args):
                                                        ignore_eos=True)] if todo else None
         # one lock-step pass per budget, so each budget's results land (and survive an interruption)
         # together; the price is scoring the full cache once per budget
-        for budget in sorted({r[1] for r in todo}):
+        for budget in sorted({r[1] for r in todo}, key=lambda b: b or 0):
             group = [r for r in todo if r[1] == budget]
-            print(f"fidelity: budget {budget}: {', '.join(run_name(*r) for r in group)} against the full cache, "
+            print(f"fidelity: budget {budget or 'all'}: {', '.join(run_name(*r, kv_dtype=args.kv_dtype) for r in group)} "
+                  f"against the full cache, "
                   f"{len(texts)} texts x {args.tokens} tokens")
             start = time.perf_counter()
-            full, scored = score_in_lock_step(llm, texts, group, args.batch_size)
+            full, scored = score_in_lock_step(llm, texts, group, args.batch_size, args.kv_dtype)
             group_seconds = time.perf_counter() - start
             measure_from = args.tokens - args.measure_last
             full_nll = -sum(x[1] for f in full for x in f[measure_from:]) / (len(full) * args.measure_last)
             for run, (scores, kl) in zip(group, scored):
-                summary = dict(policy=run[0], budget=budget, prompt_compression=run[2],
+                summary = dict(policy=run[0], budget=budget, prompt_compression=run[2], kv_dtype=args.kv_dtype,
                                **compare_scores(full, scores, kl, measure_from),
-                               **free_generation(llm, texts, run, args.free_tokens, full_free),
+                               **free_generation(llm, texts, run, args.free_tokens, full_free, args.kv_dtype),
                                full_nll=full_nll, texts=[t["name"] for t in texts], group_seconds=group_seconds,
                                settings=settings)
                 write_atomically(path(*run), json.dumps(summary, indent=1))
@@ -873,14 +887,14 @@ def run_fidelity(args):
                     "to resume with the rest")
 
 
-def fidelity_runs(specs: list[str]) -> list[tuple[str, int, str]]:
-    """The compressed runs to compare (the full cache is the reference, so a `full` run is dropped),
-    checked before anything loads: a policy or budget that cannot work fails now, not after an hour."""
+def fidelity_runs(specs: list[str], kv_dtype: str = "auto") -> list[tuple[str, int, str]]:
+    """The runs to compare, checked before anything loads: a policy or budget that cannot work fails now,
+    not after an hour. The full cache is the reference, so a `full` run is dropped, unless it stores FP8."""
     from cache import resolve_policy
     runs = [parse_run(r) for r in specs]
     if any(r[1] is None for r in runs if r[0] != "full"):
         raise ValueError("every compressed run needs a budget: write POLICY:BUDGET, e.g. longflow:64")
-    runs = list(dict.fromkeys(r for r in runs if r[0] != "full"))
+    runs = list(dict.fromkeys(r for r in runs if r[0] != "full" or kv_dtype == "fp8"))
     if not runs:
         raise ValueError("give at least one compressed run to compare with the full cache, e.g. longflow:64")
     for policy, budget, rule in runs:
@@ -956,6 +970,8 @@ def parse_args(argv):
                    help="sequences decoded together (default: as many as fit)")
     p.add_argument("--retrieval-words", type=positive_int, default=4000, help="--data retrieval: haystack words")
     p.add_argument("--out", default="runs", help="folder for the JSONL, summary and table")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's storage: auto (the model's dtype) or fp8 (its runs' files end in _fp8)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -1016,7 +1032,7 @@ def run_main(args):
         else load_dataset(args.data)
     items = items[:args.limit]
     out_dir = Path(args.out)
-    paths = [run_file(out_dir, args.data, *run) for run in runs]
+    paths = [run_file(out_dir, args.data, *run, kv_dtype=args.kv_dtype) for run in runs]
     locks = []
     try:
         for path in paths:  # every run locked, and its earlier rows read, before the model loads
@@ -1050,7 +1066,7 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     from generate import Sampling
     policy, budget, _ = runs[0]
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,
-                       allow_long_context=args.allow_long_context)
+                       allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype)
     check_chat_template(llm, args.model)
     summaries = []
     for (policy, budget, rule), path in zip(runs, paths):
@@ -1065,7 +1081,8 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
         if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
             before = read_json(summary_path) or {}
             summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
-        summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, data=args.data,
+        summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, kv_dtype=args.kv_dtype,
+                              data=args.data,
                               model=args.model, protocol=args.protocol, sampling=sampling))
         write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
     return summaries

@@ -396,3 +396,12 @@ def test_an_interrupted_fidelity_sweep_keeps_the_finished_budgets_and_says_so(ch
     assert err.splitlines()[-1] == (f"interrupted: 1 of 2 runs are measured and saved in {out}; run the same "
                                     "command to resume with the rest")
     assert (out / "fidelity_longflow_40.json").exists() and not (out / "fidelity_longflow_48.json").exists()
+
+
+def test_an_fp8_run_has_its_own_files_and_label(checkpoints, tmp_path):
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40", "--max-new-tokens",
+             "8", "--out", str(out), "--device", "cpu", "--no-compile", "--kv-dtype", "fp8"])
+    summary = json.loads((out / "mini_longflow_40_fp8.summary.json").read_text())
+    assert summary["kv_dtype"] == "fp8" and summary["rows"] == 3
+    assert "| longflow fp8 | 40 |" in (out / "compare.md").read_text()

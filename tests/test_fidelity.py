@@ -60,3 +60,13 @@ def test_fidelity_without_a_run_to_compare_is_a_clear_error(checkpoints, tmp_pat
     with pytest.raises(SystemExit) as stop:
         fidelity(checkpoints["qwen3"], tmp_path / "fid", *runs)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_fp8_runs_are_measured_against_the_full_precision_cache_the_full_one_included(checkpoints, tmp_path):
+    out = tmp_path / "fid"
+    fidelity(checkpoints["qwen3"], out, "full", "longflow:40", extra=["--kv-dtype", "fp8"])
+    full, small = (json.loads((out / f"fidelity_{name}_fp8.json").read_text()) for name in ("full_all", "longflow_40"))
+    assert full["kv_dtype"] == small["kv_dtype"] == "fp8" and full["budget"] is None
+    assert 0 < full["kl"] < small["kl"]  # quantizing costs a little, evicting as well costs more
+    table = (out / "fidelity.md").read_text()
+    assert "| full fp8 | all |" in table and "| longflow fp8 | 40 |" in table
