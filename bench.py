@@ -365,7 +365,7 @@ def bench_generate(args, bw, model):
             with TokenBar(args.new_tokens, f"{policy}, batch {B}") as bar:
                 outs, st = engine.generate(prompts, args.new_tokens, [], budget, policy, seed=0, on_tokens=bar)
             assert all(len(o) == args.new_tokens for o in outs)
-            finished(dict(workload="generate", policy=policy, batch=B, new_tokens=args.new_tokens,
+            finished(dict(workload="generate", policy=policy, slots=st.slots, batch=B, new_tokens=args.new_tokens,
                           compile_s=st.setup_s, prefill_s=st.prefill_s,
                           tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
                           ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
@@ -629,6 +629,9 @@ def main():
         print(f"error: out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave "
               f"--batch out for the largest batch that fits", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # `bench.py ... | head -1`: the reader has gone, so has the output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except KeyboardInterrupt:
         interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
 

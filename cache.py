@@ -9,6 +9,7 @@ not matter and a token can be written anywhere. Every decode step, every layer:
     3. `next_slot` = the lowest empty slot, else the slot the policy ranks lowest.
 With policy "full" the cache has room for every token and slots simply fill in order.
 """
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -94,8 +95,8 @@ def check_prompt_rule(rule: str):
 
 
 def is_int(x) -> bool:
-    """An int, and not a bool (which Python counts as one)."""
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer (a Python or numpy one), and not a bool (which Python counts as one)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def resolve_policy(name: str | None, budget: int | None, n_sink: int | None = None, window: int | None = None,

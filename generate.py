@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import KV_DTYPES, POLICIES, PROMPT_RULES, KVCache, Policy, hash32, is_int, resolve_policy
+import kernel
 from model import MLP_TOKENS, Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
@@ -369,6 +370,9 @@ class Engine:
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
+        if self.device.type == "cuda" and not kernel.HAS_TRITON:
+            raise ValueError("decoding on CUDA runs Triton kernels and Triton is not installed: pip install triton "
+                             "(on Windows: triton-windows), or run on the CPU")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  budget: int | None = None, policy: str | Policy | None = None,
@@ -388,11 +392,13 @@ class Engine:
             raise ValueError(f"sampling must be one Sampling or one per prompt ({len(prompts)})")
         if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
             seed = random.randrange(2**31) if seed is None else seed
-            seed = [seed + i for i in range(len(prompts))] if is_int(seed) else [seed]
+            seed = [int(seed) + i for i in range(len(prompts))] if is_int(seed) else [seed]
         if len(seed) != len(prompts) or not all(map(is_int, seed)):
             raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
+        seed = [int(s) for s in seed]
         if not all(-2**63 <= s < 2**63 for s in seed):  # the decode step keeps them in an int64 tensor
-            raise ValueError(f"a seed must fit in 64 bits (-2**63 <= seed < 2**63); got {max(seed, key=abs)}")
+            raise ValueError(f"seeds must fit in 64 bits (-2**63 <= seed < 2**63; with one seed, prompt i gets "
+                             f"seed + i); got {max(seed, key=abs)}")
         return drain(self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy,
                                  prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens, on_done=on_done))
 
@@ -459,8 +465,9 @@ class Engine:
 
     def _stats(self, prompts, run: Progress, batch, setup_s, seconds, slots, policy) -> Stats:
         cfg, outs = self.model.cfg, run.outs
-        longest = max(len(p) + len(o) for p, o in zip(prompts, outs))  # what a full cache of these rows holds
-        return Stats(sum(map(len, prompts)), sum(map(len, outs)), batch, setup_s, run.prefill_s,
+        longest = max(len(p) + len(o) for p, o in zip(prompts, outs) if o) if any(outs) else 0  # a full cache's rows
+        admitted = sum(len(p) for p, o in zip(prompts, outs) if o)  # all, unless interrupted
+        return Stats(admitted, sum(map(len, outs)), batch, setup_s, run.prefill_s,
                      seconds - run.prefill_s, policy.name or policy.rule, slots,
                      "fp8" if self.kv_dtype is not None else str(self.dtype).removeprefix("torch."),
                      KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
@@ -640,7 +647,9 @@ def drain(steps):
 
 
 def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"):
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not prompts:
+        raise ValueError(f"no {what}s given: give a list of at least one")
+    if any(len(p) == 0 for p in prompts):
         raise ValueError(f"empty {what}: give at least one token of {what} text")
     if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -706,7 +715,7 @@ class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
     or the off state of a flag)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -716,6 +725,11 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=ShowDefaults, **kwargs)
+
+    def add_argument(self, *args, **kwargs):  # an option without a help text still shows its default
+        if kwargs.get("help") is None and kwargs.get("default") is not None and kwargs.get("default") is not False:
+            kwargs["help"] = "default: %(default)s"
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message):  # one line instead of argparse's usage block
         self.exit(2, f"error: {message} (see --help)\n")
@@ -770,15 +784,15 @@ def parse_args(argv=None):
 
 def check_policy_args(args):
     """Settings that would be ignored are refused, each with what to add or drop."""
-    if args.budget is None:
-        given = [f"--{name}" for name, value in (("policy", args.policy), ("sinks", args.sinks), ("window", args.window),
-                                                 ("prompt-compression", args.prompt_compression))
-                 if value is not None and not (name == "policy" and value == "full")]
-        if given:
-            raise ValueError(f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to a cache with "
-                             f"a budget: add --budget N (KV slots per sequence) or drop {'them' if len(given) > 1 else 'it'}")
-    elif args.policy == "full":
-        raise ValueError("--policy full keeps every token: drop --budget, or pick a policy that evicts")
+    evicting = [f"--{name}" for name, value in (("sinks", args.sinks), ("window", args.window),
+                                                ("prompt-compression", args.prompt_compression)) if value is not None]
+    if args.policy == "full" and (args.budget is not None or evicting):
+        raise ValueError(f"--policy full keeps every token: drop {' and '.join(['--budget'] * (args.budget is not None) + evicting)}, "
+                         f"or pick a policy that evicts")
+    given = ["--policy"] * (args.policy is not None and args.policy != "full") + evicting
+    if args.budget is None and given:
+        raise ValueError(f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to a cache with "
+                         f"a budget: add --budget N (KV slots per sequence) or drop {'them' if len(given) > 1 else 'it'}")
 
 
 def read_prompt(args) -> str:
@@ -859,6 +873,9 @@ def main(argv=None):
         run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except MemoryError:  # before any check can run, e.g. the prompt copied for --batch-size 10**11
+        print("error: out of host memory; lower --batch-size, --max-new-tokens or --budget", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

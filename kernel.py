@@ -28,6 +28,7 @@ try:
 except ImportError:  # no Triton (macOS, Windows, some CPU-only installs): the CPU runs the PyTorch reference,
     from types import SimpleNamespace  # and the kernels below are defined but can never be launched
     triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=lambda x=None: x)
+HAS_TRITON = hasattr(triton, "cdiv")
 
 
 def protected_mask(pos, n_sink: int, window: int):
@@ -397,7 +398,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
                      acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
-    if not hasattr(triton, "cdiv"):
+    if not HAS_TRITON:
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
     if (k_scale is None) != (v_scale is None) or (k_scale is not None and k.dtype != torch.uint8):
         raise ValueError("an FP8 cache gives k and v as uint8 e4m3 bits with both k_scale and v_scale")

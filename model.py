@@ -45,6 +45,7 @@ class Config:
         misread (wrong types, sizes that cannot work, features it does not run)."""
         if not isinstance(c, dict):
             raise ValueError(f"config.json must hold a JSON object, not a {type(c).__name__}")
+        c = {k: v for k, v in c.items() if v is not None}  # null counts as absent, as transformers reads it
         check_types(c)
         kind = c.get("model_type")
         archs = c.get("architectures") or [SUPPORTED.get(kind, kind)]
@@ -62,6 +63,10 @@ class Config:
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise ValueError(f"config.json: rope_parameters / rope_scaling must be an object, got {rope!r}")
+        theta = rope.get("rope_theta")
+        theta = c.get("rope_theta", 10000.0) if theta is None else theta
+        if not (is_number(theta) and theta > 0):
+            raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope scaling {rope_type!r}; tinyflow supports none and 'llama3'")
@@ -86,7 +91,7 @@ class Config:
             intermediate_size=c["intermediate_size"], n_layers=c["num_hidden_layers"],
             n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_theta=theta,
             rope_scaling={k: rope[k] for k in LLAMA3_KEYS} if rope_type == "llama3" else None,
             tie_embeddings=c.get("tie_word_embeddings", False),
             qkv_bias=kind == "qwen2" or c.get("attention_bias", False),
@@ -104,17 +109,21 @@ def is_number(x) -> bool:
 
 
 def check_types(c: dict):
-    """config.json's numbers are of the right kind (null counts as absent, as transformers reads it)."""
+    """config.json's values are of the right kind."""
     def fail(key, what):
         raise ValueError(f"config.json: {key} must be {what}, got {c[key]!r}")
+    if not isinstance(c.get("model_type", ""), str):
+        fail("model_type", "a string")
+    for key in ("architectures", "layer_types"):
+        if key in c and not (isinstance(c[key], list) and all(isinstance(x, str) for x in c[key])):
+            fail(key, "a list of strings")
     for key in SIZES:
-        if c.get(key) is not None and not (is_int(c[key]) and c[key] > 0):
+        if key in c and not (is_int(c[key]) and c[key] > 0):
             fail(key, "a positive integer")
-    for key in ("rms_norm_eps", "rope_theta"):
-        if c.get(key) is not None and not (is_number(c[key]) and c[key] > 0):
-            fail(key, "a positive number")
+    if "rms_norm_eps" in c and not (is_number(c["rms_norm_eps"]) and c["rms_norm_eps"] > 0):
+        fail("rms_norm_eps", "a positive number")
     for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias"):
-        if c.get(key) is not None and not isinstance(c[key], bool):
+        if key in c and not isinstance(c[key], bool):
             fail(key, "true or false")
     eos = c.get("eos_token_id")
     if eos is not None and not all(is_int(e) and e >= 0 for e in (eos if isinstance(eos, list) else [eos])):
@@ -345,9 +354,9 @@ def load_weights(model: Transformer, folder: str, device, dtype):
 
 
 def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tensor):
-    """A NaN or inf weight makes every logit NaN (and generation empty): name the tensor instead. One
-    reduction per tensor, a small part of the time reading it takes."""
-    if torch.isfinite(loaded).all():
+    """A NaN or inf weight makes every logit NaN (and generation empty): name the tensor instead. One fp32
+    sum per tensor (no copy of it); only a sum that is not finite is looked at element by element."""
+    if torch.isfinite(loaded.sum(dtype=torch.float32)) or torch.isfinite(loaded).all():
         return
     if torch.isfinite(stored).all():
         raise ValueError(f"weight {name!r} of {file} overflows {loaded.dtype} (values beyond its range); load "

@@ -114,9 +114,9 @@ class LLM:
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
         """conversations: a list of conversations, each a list of {"role", "content"} messages (one
         conversation alone is accepted too). Rendered with the model's own chat template."""
-        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+        if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        if not isinstance(conversations, list) or not all(map(is_conversation, conversations)):
+        if not isinstance(conversations, (list, tuple)) or not all(map(is_conversation, conversations)):
             raise TypeError("chat takes a list of messages ({'role': ..., 'content': ...}), or a list of such "
                             "lists; for plain text use generate")
         ids = [self.tokenizer.chat(c, enable_thinking) for c in conversations]
@@ -134,5 +134,7 @@ def token_ids(ids, what: str) -> list[int]:
 
 
 def is_conversation(messages) -> bool:
-    return isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                              and isinstance(m.get("content"), str) for m in messages)
+    """A list of messages, each with a role; what else a message holds (text, tool calls, parts) is the
+    chat template's to read."""
+    return isinstance(messages, (list, tuple)) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       for m in messages)

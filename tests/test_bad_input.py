@@ -47,6 +47,12 @@ def update(**values):
     ("config.json", update(rms_norm_eps="tiny"), "rms_norm_eps must be a positive number"),
     ("config.json", update(num_key_value_heads=3), "4 attention heads, 3 KV heads and head_dim 16 do not fit"),
     ("config.json", update(tie_word_embeddings="no"), "tie_word_embeddings must be true or false"),
+    ("config.json", lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "rope_theta": "abc"}},
+     "rope_theta must be a positive number, got 'abc'"),  # where transformers 5 writes it
+    ("config.json", update(model_type=["qwen2"]), "model_type must be a string"),
+    ("config.json", update(architectures="Qwen2ForCausalLM"), "architectures must be a list of strings"),
+    ("config.json", update(layer_types=5), "layer_types must be a list of strings"),
+    ("config.json", update(hidden_size=None), "config.json lacks hidden_size"),  # null: not set
     # transformers applies a window to the layers layer_types marks, whatever use_sliding_window says
     ("config.json", update(use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]),
      "sliding-window attention is not supported"),
@@ -60,9 +66,10 @@ def test_a_config_file_of_the_wrong_shape_is_one_clear_line(checkpoints, tmp_pat
     one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")[::2], message)
 
 
-def test_null_in_generation_config_means_not_set(checkpoints, tmp_path, capsys):
+def test_null_in_generation_config_and_config_means_not_set(checkpoints, tmp_path, capsys):
     folder = copy_of(checkpoints, tmp_path)
     edit_json(folder, "generation_config.json", update(do_sample=True, temperature=None, top_p=None))
+    edit_json(folder, "config.json", update(rms_norm_eps=None, head_dim=None))
     code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile")
     assert code == 0 and "generated" in out, err
 
@@ -110,7 +117,8 @@ def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, t
     (["--sinks", "4", "--window", "8"], "--sinks and --window only apply to a cache with a budget"),
     (["--prompt-compression", "streaming"], "--prompt-compression only applies"),
     (["--policy", "full", "--budget", "64"], "--policy full keeps every token: drop --budget"),
-    (["--seed", "99999999999999999999999"], "a seed must fit in 64 bits"),
+    (["--policy", "full", "--sinks", "2"], "--policy full keeps every token: drop --sinks"),
+    (["--seed", "99999999999999999999999"], "seeds must fit in 64 bits"),
     (["--max-new-tokens", "600"], "positions, past the model's max_position_embeddings 512"),
     (["--sinks", "-1", "--budget", "64"], "expected a non-negative integer"),
 ])
@@ -139,6 +147,10 @@ def test_help_shows_the_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for default in ("(default: Qwen/Qwen3-0.6B)", "(default: 512)", generate.DEFAULT_PROMPT):
         assert default in out
+    for script, defaults in (("eval.py", ["default: Qwen/Qwen3-8B", "default: 0"]),
+                             ("bench.py", ["default: Qwen3-8B", "default: 16384"])):
+        r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert all(d in " ".join(r.stdout.split()) for d in defaults), (script, r.stdout)
 
 
 def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoints, tmp_path, capsys):
@@ -201,8 +213,13 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
         llm.generate({"a": "Hi"})  # not a generation for each key
     with pytest.raises(ValueError, match="token ids must be integers"):
         llm.generate([np.array([1.5, 2.0])])
-    with pytest.raises(ValueError, match="a seed must fit in 64 bits"):
+    with pytest.raises(ValueError, match="seeds must fit in 64 bits"):
         llm.generate(["Hi"], seed=2**63)
+    with pytest.raises(ValueError, match="no prompts given"):
+        llm.generate([])
+    # numpy integers are integers everywhere, and a message's content is the template's to read
+    assert llm.generate(["Hi"], max_new_tokens=np.int64(3), seed=np.int64(5)) == llm.generate(["Hi"], 3, seed=5)
+    llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], max_new_tokens=2)
 
 
 def test_api_policy_and_budget_must_go_together(checkpoints):

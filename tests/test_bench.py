@@ -146,3 +146,13 @@ def test_bench_ctrl_c_exits_130_in_one_line_and_writes_the_finished_rows(tmp_pat
     record = strict_json(out)
     assert record["complete"] is False and 1 <= len(record["rows"]) < len(batches)
     assert all(row["tokens_per_s"] > 0 for row in record["rows"])
+
+
+def test_bench_generate_rows_say_which_budget_they_measured(tmp_path):
+    out = tmp_path / "generate.json"
+    r = subprocess.run([sys.executable, "bench.py", "generate", "--shape", "tiny", "--device", "cpu", "--no-compile",
+                        "--batch", "1", "--budget", "40", "48", "--new-tokens", "8", "--prompt-len", "8", "--json",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = sorted((row["policy"], row["slots"]) for row in json.loads(out.read_text())["rows"])
+    assert runs == [("full", 16), ("longflow", 40), ("longflow", 48)]
