@@ -435,26 +435,28 @@ def last_queries(q, positions, n: int = RKV_QUERIES):
     return q.gather(2, idx[:, None, :, None].expand(R, Hq, n, D)), positions.gather(1, idx) % n
 
 
+def in_order(positions) -> bool:
+    """Each row of positions [B, T] is 0, 1, 2, ..., then only padding (-1). One host sync (prefill only)."""
+    ramp = torch.arange(positions.shape[1], device=positions.device)
+    return bool(((positions == ramp) | (positions < 0)).all() and (positions[:, 1:] < 0).ge(positions[:, :-1] < 0).all())
+
+
 def padding_last(positions):
     """Positions for causal masks with padding (-1) at "infinity": real queries never see it, padding queries
     see everything, so their (discarded) outputs stay finite instead of a NaN that would leak through 0 * NaN."""
     return torch.where(positions < 0, torch.iinfo(positions.dtype).max, positions)
 
 
-def prefill_attention(q, k, v, positions, chunk: int = 1024):
-    """Causal attention by position, padding masked, a chunk of queries at a time so a long prompt never
-    holds a T x T score matrix. q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]; positions: [B, T]."""
+def prefill_attention(q, k, v, positions):
+    """Causal attention over right-padded prompts (each row of positions 0, 1, 2, ..., then padding -1, as
+    the engine prefills them). q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]. No mask is needed: a real query's
+    earlier keys are all real, so SDPA's causal kernel (flash attention, which never holds T x T scores)
+    gives their outputs exactly; padding queries get finite outputs, which are discarded."""
+    if not in_order(positions):
+        raise ValueError("prefill takes right-padded prompts: each row's positions 0, 1, 2, ..., then -1")
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H_q, T, D]
-    eff = padding_last(positions)  # [B, T]
-    outs = []
-    for start in range(0, q.shape[2], chunk):
-        end = min(start + chunk, q.shape[2])
-        # keys after `end` hold later positions or padding (prompts are right-padded): never visible
-        mask = eff[:, None, None, :end] <= eff[:, None, start:end, None]  # [B, 1, C, end]
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
-                                                   attn_mask=mask))
-    return torch.cat(outs, dim=2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def attention_column_sums(q, k, positions, budget_bytes: int = 2**28):

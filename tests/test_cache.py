@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import kernel
 
-from cache import (POLICIES, SNAPKV_WINDOW, KVCache, attention_column_sums, random_score, resolve_policy,
-                   snapkv_score, top_tokens)
+from cache import (POLICIES, SNAPKV_WINDOW, KVCache, attention_column_sums, prefill_attention, random_score,
+                   resolve_policy, snapkv_score, top_tokens)
 from generate import Engine
 from model import load
 
@@ -508,3 +508,22 @@ def test_fp8_cache_step_compiled_and_replayed_matches_eager_and_never_recompiles
     with torch._dynamo.config.patch(error_on_recompile=True):
         graphed, _ = Engine(model, kv_dtype=kernel.FP8).generate(prompts, 80, [], budget, policy)
     assert graphed == eager
+
+
+def test_prefill_attention_needs_no_mask_for_right_padded_prompts():
+    """The causal kernel gives every real query what attention masked by position gives it; positions in
+    another order are refused, not silently attended in the wrong order."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 16, generator=g)
+    k, v = torch.randn(2, 2, 37, 16, generator=g), torch.randn(2, 2, 37, 16, generator=g)
+    positions = torch.arange(37).repeat(2, 1)
+    positions[0, 30:] = -1  # the first prompt is 30 tokens, padded
+    visible = positions[:, None, None, :] <= torch.where(positions < 0, 10**9, positions)[:, None, :, None]
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          attn_mask=visible & (positions >= 0)[:, None, None, :])
+    got = prefill_attention(q, k, v, positions)
+    torch.testing.assert_close(got[0, :, :30], want[0, :, :30], atol=1e-6, rtol=1e-6)  # float32 kernels' rounding
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+    for bad in ([[1, 2, 3]], [[0, -1, 2]]):
+        with pytest.raises(ValueError, match="right-padded prompts"):
+            prefill_attention(q[:1, :, :3], k[:1, :, :3], v[:1, :, :3], torch.tensor(bad))
