@@ -365,7 +365,8 @@ def bench_generate(args, bw, model):
             with TokenBar(args.new_tokens, f"{policy}, batch {B}") as bar:
                 outs, st = engine.generate(prompts, args.new_tokens, [], budget, policy, seed=0, on_tokens=bar)
             assert all(len(o) == args.new_tokens for o in outs)
-            finished(dict(workload="generate", policy=policy, slots=st.slots, batch=B, new_tokens=args.new_tokens,
+            finished(dict(workload="generate", policy=policy, kv_dtype=args.kv_dtype, slots=st.slots, batch=B,
+                          new_tokens=args.new_tokens,
                           compile_s=st.setup_s, prefill_s=st.prefill_s,
                           tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
                           ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
@@ -379,7 +380,8 @@ def bench_long_prompt(args, bw, model):
     for name, budget in [("full", None), ("50%", args.prompt_len // 2), (f"budget {args.budget}", args.budget)]:
         reset_peak(args.device)
         _, st = engine.generate(prompt, args.new_tokens, [], budget, "longflow" if budget else "full", seed=0)
-        finished(dict(workload="long-prompt", cache=name, prompt_tokens=args.prompt_len, slots=st.slots,
+        finished(dict(workload="long-prompt", cache=name, kv_dtype=args.kv_dtype, prompt_tokens=args.prompt_len,
+                      slots=st.slots,
                       prefill_s=st.prefill_s, decode_tokens_per_s=(args.new_tokens - 1) / st.decode_s,
                       peak_gib=peak_gib(args.device)))
         engine = new_engine(model, args)  # drop the previous cache before the next size

@@ -296,14 +296,14 @@ class KVCache:
         B, H, D = k.shape
         # (row, head, slot) index triples: index_put_ is what the compiler turns into an in-place store
         at = (torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :], c.next_slot)
-        if self.fp8:  # from here on k and v are the values the cache holds, which the rules score
+        if self.fp8:  # from here on k and v are the values the cache holds (in fp32), which the rules score
             (k_bits, k_scale), (v_bits, v_scale) = kernel.quantize(k), kernel.quantize(v)
-            k, v = kernel.dequantize(k_bits, k_scale, k.dtype), kernel.dequantize(v_bits, v_scale, v.dtype)
+            k, v = kernel.dequantize(k_bits, k_scale), kernel.dequantize(v_bits, v_scale)
         if p.keeps_key_sum:  # the running sum of unit keys: the evicted key's leaves, the new one's comes
             held = (c.pos[at] >= 0)[..., None]  # [B, H_kv, 1]
-            old = kernel.dequantize(c.k[at], c.k_scale[at]) if self.fp8 else c.k[at]
+            old = kernel.dequantize(c.k[at], c.k_scale[at]) if self.fp8 else c.k[at]  # fp32, as k
             c.key_sum.add_(unit(k) - unit(old) * held)
-        if p.keeps_queries:  # the ring of the last W queries, at column position % W
+        if p.keeps_queries:  # the ring of the last W queries, at column position % W (q: the model's dtype)
             W = c.queries.shape[2]
             c.queries.index_put_((at[0], torch.arange(q.shape[1], device=q.device)[None, :],
                                   (positions % W)[:, None].expand(B, q.shape[1])), q)
@@ -363,11 +363,12 @@ class KVCache:
             seed = seed.gather(2, keep) if seed is not None else None
             T = S - 1
         c.pos[rows] = -1  # a reused row forgets its previous sequence
-        if self.fp8:  # the prompt attended at full precision; the cache holds it quantized, and the rules see that
+        if self.fp8:  # the prompt attended, and was compressed, at full precision; from here on the rules see
+            #           the values the cache holds
             (k_bits, k_scale), (v_bits, v_scale) = kernel.quantize(k), kernel.quantize(v)
             c.k[rows, :, :T], c.v[rows, :, :T] = k_bits, v_bits
             c.k_scale[rows, :, :T], c.v_scale[rows, :, :T] = k_scale, v_scale
-            k, v = kernel.dequantize(k_bits, k_scale, k.dtype), kernel.dequantize(v_bits, v_scale, v.dtype)
+            k, v = kernel.dequantize(k_bits, k_scale), kernel.dequantize(v_bits, v_scale)  # fp32, as in decode
         else:
             c.k[rows, :, :T] = k
             c.v[rows, :, :T] = v

@@ -685,8 +685,8 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
         return on_dists
 
     # the reference keeps the model's dtype; the runs store their cache in kv_dtype
-    engines = [Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype] if i else None)
-               for i in range(len(runs) + 1)]
+    engines = [Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype] if i else None,
+                      allow_long_context=llm.engine.allow_long_context) for i in range(len(runs) + 1)]
     steps = [engines[0].score_steps(prompts, conts, None, "full", batch_size, on_dists=keep)]
     for r, (engine, (policy, budget, rule)) in enumerate(zip(engines[1:], runs)):
         steps.append(engine.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule),
@@ -739,7 +739,8 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
     from cache import KV_DTYPES
     from generate import Engine
     policy, budget, rule = run
-    engine = Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype])
+    engine = Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype],
+                    allow_long_context=llm.engine.allow_long_context)
     outs, _ = engine.generate([t["prompt"] for t in texts], tokens, [], budget, policy, prompt_rule=rule)
     first = [next((i for i, (a, b) in enumerate(zip(o, f)) if a != b), tokens) for o, f in zip(outs, full_outs)]
     equal = [sum(a == b for a, b in zip(o, f)) / tokens for o, f in zip(outs, full_outs)]

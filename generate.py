@@ -292,8 +292,10 @@ SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fra
 def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
     """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
     decode step's logits, probabilities, noise and sort buffers (fp32/int64 over the vocabulary: 40 bytes
-    per id), the ids its repetition penalty has seen (1 byte per id), and `extra` bytes."""
-    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + 41 * cfg.vocab_size + extra
+    per id), the ids its repetition penalty has seen (1 byte per id), and `extra` bytes. With FP8, also one
+    layer's keys as values, which the rules that read keys (keydiff, rkv, knorm) dequantize each step."""
+    keys = slots * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize if kv_dtype == kernel.FP8 else 0
+    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + keys + 41 * cfg.vocab_size + extra
 
 
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
@@ -373,6 +375,12 @@ class Engine:
         if self.device.type == "cuda" and not kernel.HAS_TRITON:
             raise ValueError("decoding on CUDA runs Triton kernels and Triton is not installed: pip install triton "
                              "(on Windows: triton-windows), or run on the CPU")
+        if self.device.type == "cuda" and kv_dtype == kernel.FP8:
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):  # Triton's float8 e4m3 starts with Ada and Hopper
+                raise ValueError(f"an FP8 KV cache needs compute capability 8.9 or newer (Ada, Hopper); "
+                                 f"{torch.cuda.get_device_name(self.device)} is {capability[0]}.{capability[1]}: "
+                                 f"use --kv-dtype auto")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  budget: int | None = None, policy: str | Policy | None = None,
@@ -469,7 +477,7 @@ class Engine:
         admitted = sum(len(p) for p, o in zip(prompts, outs) if o)  # all, unless interrupted
         return Stats(admitted, sum(map(len, outs)), batch, setup_s, run.prefill_s,
                      seconds - run.prefill_s, policy.name or policy.rule, slots,
-                     "fp8" if self.kv_dtype is not None else str(self.dtype).removeprefix("torch."),
+                     "fp8" if self.kv_dtype == kernel.FP8 else str(self.dtype).removeprefix("torch."),
                      KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
                      KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"], self.kv_dtype))
 

@@ -200,10 +200,13 @@ def _attend_kernel(
         e = tl.exp(s - m_new[:, None])
         corr = tl.exp(m - m_new)
         l = l * corr + tl.sum(e, axis=1)
-        weight = e
-        if FP8_KV:  # sum_i e_i (scale_i v8_i) = sum_i (e_i scale_i) v8_i
-            weight = e * v_scale[None, :]
-        acc = acc * corr[:, None] + tl.dot(weight.to(vb.dtype), vb, input_precision="ieee")
+        if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the block's largest
+            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V
+            top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+            weight = e * (v_scale / top)[None, :]
+            acc = acc * corr[:, None] + tl.dot(weight.to(vb.dtype), vb, input_precision="ieee") * top
+        else:
+            acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
 
     tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)

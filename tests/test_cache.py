@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import kernel
 
 from cache import (POLICIES, SNAPKV_WINDOW, KVCache, attention_column_sums, prefill_attention, random_score,
-                   resolve_policy, snapkv_score, top_tokens)
+                   resolve_policy, snapkv_score, top_tokens, unit_key_sum)
 from generate import Engine
 from model import load
 
@@ -485,6 +485,18 @@ def test_every_policy_keeps_its_budget_with_an_fp8_cache(qwen3, policy):
             assert torch.equal(layer.vnorm[held], kernel.l1_norm(values)[held])
         if engine.cache.policy.keeps_key_norm:
             torch.testing.assert_close(layer.score[held], kernel.dequantize(layer.k, layer.k_scale).norm(dim=-1)[held])
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "rkv"])
+def test_fp8_key_sum_stays_the_sum_of_the_stored_unit_keys_in_a_bf16_model(checkpoints, policy):
+    """Written and evicted keys are counted from the same (fp32) values, so 200 evicting steps after a prompt
+    longer than the budget leave no drift."""
+    model = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.bfloat16)[0]
+    engine = Engine(model, compile=False, kv_dtype=kernel.FP8)
+    engine.generate([list(range(5, 75)), list(range(9, 40))], 200, [], budget=40, policy=policy)
+    for layer in engine.cache.layers:
+        stored = kernel.dequantize(layer.k, layer.k_scale)
+        torch.testing.assert_close(layer.key_sum, unit_key_sum(stored, layer.pos), atol=1e-4, rtol=0)
 
 
 def test_fp8_cache_bytes_count_one_byte_a_value_and_two_scales_a_slot(qwen3):

@@ -2,8 +2,12 @@
 import json
 
 import pytest
+import torch
 
 import eval as ev
+import kernel
+from cache import KVCache, resolve_policy
+from model import load
 
 
 def write_data(tmp_path):
@@ -403,5 +407,7 @@ def test_an_fp8_run_has_its_own_files_and_label(checkpoints, tmp_path):
     ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40", "--max-new-tokens",
              "8", "--out", str(out), "--device", "cpu", "--no-compile", "--kv-dtype", "fp8"])
     summary = json.loads((out / "mini_longflow_40_fp8.summary.json").read_text())
-    assert summary["kv_dtype"] == "fp8" and summary["rows"] == 3
+    cfg = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg
+    fp8_bytes = KVCache.bytes_needed(cfg, 3, 40, torch.float32, resolve_policy("longflow", 40), kernel.FP8)
+    assert summary["kv_dtype"] == "fp8" and summary["rows"] == 3 and summary["kv_bytes"] == fp8_bytes
     assert "| longflow fp8 | 40 |" in (out / "compare.md").read_text()

@@ -394,7 +394,25 @@ def test_fp8_kernel_matches_reference(B, H_q, H_kv, D, S, n_empty, per_head):
 def test_fp8_reference_attends_the_values_the_cache_holds():
     (q, k, v, pos), scales = fp8_inputs(2, 8, 2, 50, 64, n_empty=3)
     held = kernel.dequantize(k, scales["k_scale"]), kernel.dequantize(v, scales["v_scale"])
-    assert_same(kernel.decode_attention_ref(q, k, v, pos, **scales), kernel.decode_attention_ref(q, *held, pos))
+    out, evict = kernel.decode_attention_ref(q, k, v, pos, **scales)
+    want_out, score = direct_scores(q, *held, pos, per_head=False)
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=1e-5, rtol=1e-5)
+    empty = (pos < 0).cpu().any(1, keepdim=True)
+    assert torch.equal(evict.cpu(), torch.where(empty.any(-1), empty.int().argmax(-1), score.argmin(-1)).expand(2, 2))
+
+
+@pytest.mark.parametrize("size", [1.0, 0.002])  # the largest |v|: small values make small weights
+def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size):
+    """With bf16 queries the kernel multiplies in fp16 (the GPU's path; the interpreter runs it too): its
+    error against the reference stays that of bf16 outputs, also when V is small and every weight
+    e_i * scale_i would be an fp16 subnormal."""
+    q, k, v, pos = make_inputs(1, 8, 2, 1024, 64)
+    (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * size)
+    args, scales = (q.bfloat16(), k, v, pos), dict(k_scale=k_scale, v_scale=v_scale)
+    out, evict = kernel.decode_attention(*args, **scales)
+    want, want_evict = kernel.decode_attention_ref(*args, **scales)
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 4e-3  # bf16 rounding: ~2e-3
+    assert torch.equal(evict, want_evict)
 
 
 @gpu_only
