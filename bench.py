@@ -1,4 +1,4 @@
-"""Speed and memory of tinyflow on a GPU, each figure set against the memory-bandwidth floor.
+"""Speed and memory of tinyflow on a GPU, each figure set against its floor (bandwidth and matmul rate).
 
     python bench.py kernel --batch 1 8 64 256           # fused attention + LongFlow selection vs SDPA
     python bench.py step --shape Qwen3-8B --batch 1      # one decode step (--profile: its kernels)
@@ -9,9 +9,11 @@
     python bench.py long-prompt --shape R1-Distill-Llama-8B --prompt-len 131072 --new-tokens 256
     python bench.py hf --shape Qwen3-8B --batch 1 32     # transformers full-KV generate, the baseline
 
-Decode is memory-bound: a step must read every weight once and every cached K/V once, so
-floor = (weight bytes + KV bytes) / copy bandwidth, with the bandwidth measured here by a large
-device-to-device copy. With --shape the weights are random (bf16) of that model's real shape: speed does
+A decode step must read every weight once and every cached K/V once, and multiply each weight by every
+token of the batch: its floor is a roofline, for each part (weights, attention) the larger of bytes / copy
+bandwidth and FLOPs / matmul rate, both measured at the start of the run (a large device-to-device copy, a
+large matrix product). Small batches are memory-bound; at a few hundred sequences the projections become
+compute-bound, and each row's `compute_bound` says which parts are. With --shape the weights are random (bf16) of that model's real shape: speed does
 not depend on the values, and no checkpoint can be downloaded on the benchmark machine.
 
 Bad or unused options are refused in one line before anything runs. --json writes strict JSON (null for a
@@ -26,6 +28,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +73,26 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * x.element_size() / sorted(times[1:])[5]
 
 
+def matmul_rate(device, dtype) -> float:
+    """FLOP/s of a large matrix product in the model's dtype (8192^3 on a GPU): the compute side of the
+    roofline, measured in the same run as the bandwidth."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(11):
+        t = sync_time(device)
+        a @ b
+        times.append(sync_time(device) - t)
+    return 2 * n**3 / sorted(times[1:])[5]
+
+
+@dataclass
+class Machine:
+    """What the floor of a step is measured against, both measured at the start of the run."""
+    bandwidth: float  # bytes/s of a device-to-device copy
+    matmul_rate: float  # FLOP/s of a large matrix product
+
+
 def peak_gib(device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
@@ -100,7 +123,7 @@ def graph_time(fn, reps: int = 20, rounds: int = 15) -> float:
 
 
 # ---- the fused kernel --------------------------------------------------------------------------------
-def bench_kernel(args, bw, _):
+def bench_kernel(args, hw: Machine, _):
     """Attention over S full slots, Qwen3-8B heads: Triton with / without selection, against SDPA. Several
     input sets rotate so that small batches are not served from the 60 MB L2 cache."""
     Hq, Hkv, D, S = 32, 8, 128, args.slots
@@ -133,7 +156,7 @@ def bench_kernel(args, bw, _):
             it = iter(range(10**9))
             t = graph_time(lambda: fn(*inputs[next(it) % n_sets]), reps=max(n_sets, 20))
             rows.append(dict(workload="kernel", variant=name, batch=B, slots=S, us=t * 1e6,
-                             bandwidth_fraction=(kv_bytes + extra_bytes) / t / bw))
+                             bandwidth_fraction=(kv_bytes + extra_bytes) / t / hw.bandwidth))
         base = next(r["us"] for r in rows if r["batch"] == B and r["variant"] == "no selection")
         for r in rows:
             if r["batch"] == B:
@@ -241,12 +264,26 @@ def fill_cache(cache: KVCache, filled: int):
         layer.next_slot.fill_(min(filled, cache.slots - 1))
 
 
-def step_row(timer: StepTimer, filled: int, bw: float, **extra) -> dict:
+def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[str]]:
+    """The roofline of a step: for each part, the larger of its bytes / bandwidth and its FLOPs / matmul
+    rate. Weights: every weight read once, 2 FLOPs per weight and token. Attention: every K/V read once,
+    4 FLOPs per query head, slot and dimension (q.k and the weighted sum of v). Returns the floor in
+    seconds and the parts that are compute-bound."""
+    model, cfg, B = timer.model, timer.model.cfg, timer.batch
+    read = timer.slots if timer.policy != "full" else filled
+    parts = {"weights": (weight_bytes(model), 2 * B * weight_bytes(model) / timer.dtype.itemsize),
+             "attention": (timer.kv_bytes_read(filled), 4 * B * cfg.n_layers * cfg.n_heads * read * cfg.head_dim)}
+    times = {name: (n_bytes / hw.bandwidth, flops / hw.matmul_rate) for name, (n_bytes, flops) in parts.items()}
+    return sum(max(t) for t in times.values()), [name for name, (memory, compute) in times.items() if compute > memory]
+
+
+def step_row(timer: StepTimer, filled: int, hw: Machine, **extra) -> dict:
     t = timer.seconds_per_step(filled)
-    floor = (weight_bytes(timer.model) + timer.kv_bytes_read(filled)) / bw
+    floor, compute_bound = step_floor(timer, filled, hw)
     return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, batch=timer.batch, slots=timer.slots, kv_tokens=filled,
                 ms_per_step=t * 1e3,
-                tokens_per_s=timer.batch / t, floor_fraction=floor / t, compile_s=timer.compile_s,
+                tokens_per_s=timer.batch / t, floor_fraction=floor / t, compute_bound=compute_bound,
+                compile_s=timer.compile_s,
                 peak_gib=peak_gib(timer.device), **extra)
 
 
@@ -254,19 +291,19 @@ def slots_for(policy: str, args) -> int:
     return args.budget if policy != "full" else args.prompt_len + args.new_tokens
 
 
-def bench_step(args, bw, model):
+def bench_step(args, hw: Machine, model):
     """Steady state: every slot of a LongFlow cache filled; a full cache holding --context tokens."""
     for policy in args.policy:
         for B in args.batch:
             slots = args.budget if policy != "full" else args.context + 64
             timer = StepTimer(model, policy, B, slots, args.compile, args.kv_dtype)
-            finished(step_row(timer, args.budget if policy != "full" else args.context, bw, workload="step"))
+            finished(step_row(timer, args.budget if policy != "full" else args.context, hw, workload="step"))
             if args.profile:
                 timer.profile()
             timer.free()
 
 
-def bench_throughput(args, bw, model):
+def bench_throughput(args, hw: Machine, model):
     """Tokens/s over a whole run of --new-tokens outputs at the largest batch that fits (or --batch).
     The step time is measured at 5 cache fills across the run and integrated over its length (a
     LongFlow step costs the same at every fill: it always reads its `budget` slots)."""
@@ -287,13 +324,14 @@ def bench_throughput(args, bw, model):
                 fills = [args.prompt_len + round(f * span) for f in (0, .25, .5, .75, 1)]
             else:
                 fills = [args.budget]
-            steps = [step_row(timer, f, bw) for f in fills]
+            steps = [step_row(timer, f, hw) for f in fills]
             ms = run_mean([r["ms_per_step"] for r in steps])
             floor_ms = run_mean([r["ms_per_step"] * r["floor_fraction"] for r in steps])
             rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype, batch=B, slots=slots,
                              fits=fits,
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
-                             floor_fraction=floor_ms / ms, peak_gib=steps[-1]["peak_gib"],
+                             floor_fraction=floor_ms / ms, compute_bound=steps[-1]["compute_bound"],
+                             peak_gib=steps[-1]["peak_gib"],
                              compile_s=timer.compile_s))
             if args.validate:
                 rows[-1].update(validate(args, model, timer, policy, B))
@@ -353,7 +391,7 @@ def new_engine(model, args) -> Engine:
     return Engine(model, compile=args.compile, allow_long_context=True, kv_dtype=KV_DTYPES[args.kv_dtype])
 
 
-def bench_generate(args, bw, model):
+def bench_generate(args, hw: Machine, model):
     """Whole runs through the engine (prefill, compiled graph-replayed step, host syncs), for checking
     the step timings above against reality."""
     engine = new_engine(model, args)
@@ -372,7 +410,7 @@ def bench_generate(args, bw, model):
                           ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
 
 
-def bench_long_prompt(args, bw, model):
+def bench_long_prompt(args, hw: Machine, model):
     """The KVPress case: one --prompt-len prompt (default 128k) compressed at prefill to half its length
     and to --budget, against the full cache; peak memory and decode speed."""
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len)).tolist()
@@ -387,7 +425,7 @@ def bench_long_prompt(args, bw, model):
         engine = new_engine(model, args)  # drop the previous cache before the next size
 
 
-def bench_hf(args, bw, _):
+def bench_hf(args, hw: Machine, _):
     """Hugging Face transformers full-KV generate on the same shape (random weights, sdpa): the step time
     from two runs of different lengths, so prefill and setup cancel out."""
     import transformers
@@ -446,9 +484,10 @@ def finite(x):
     return x
 
 
-def write_json(args, bw: float, complete: bool):
+def write_json(args, hw: Machine, complete: bool):
     """The rows measured so far and the options as given; complete is false for a run cut short."""
-    record = dict(bandwidth=bw, device=str(args.device), torch=torch.__version__, complete=complete,
+    record = dict(bandwidth=hw.bandwidth, matmul_rate=hw.matmul_rate, device=str(args.device), torch=torch.__version__,
+                  complete=complete,
                   args=vars(args), rows=ROWS)
     with open(args.json, "w") as f:  # default=str: the device and the dtype
         json.dump(finite(record), f, indent=1, allow_nan=False, default=str)
@@ -601,19 +640,19 @@ def sweep(args):
 def benchmark(args):
     """Set up (the model first: a bad --model fails before anything is measured), measure, write."""
     model = make_model(args) if args.workload not in ("kernel", "hf") else None
-    bw = copy_bandwidth(args.device)
+    hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
     print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s, "
+          f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.0f} TFLOP/s, "
           f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
     try:
         for one in sweep(args):
-            WORKLOADS[args.workload](one, bw, model)
+            WORKLOADS[args.workload](one, hw, model)
     except BaseException:  # Ctrl-C or an error midway: the rows measured so far are kept all the same
         if args.json and ROWS:
-            write_json(args, bw, complete=False)
+            write_json(args, hw, complete=False)
         raise
     if args.json:
-        write_json(args, bw, complete=True)
+        write_json(args, hw, complete=True)
     if args.plot:
         plot(ROWS, args.plot)
 

@@ -156,3 +156,18 @@ def test_bench_generate_rows_say_which_budget_they_measured(tmp_path):
     assert r.returncode == 0, r.stderr
     runs = sorted((row["policy"], row["slots"]) for row in json.loads(out.read_text())["rows"])
     assert runs == [("full", 16), ("longflow", 40), ("longflow", 48)]
+
+
+def test_the_floor_is_a_roofline_of_bytes_and_flops():
+    """Each part of the step costs the larger of its bytes / bandwidth and its FLOPs / matmul rate."""
+    import bench
+    from generate import pick_device
+    device, dtype = pick_device("cpu", None)
+    model = bench.random_model(bench.Config.from_dict(bench.SHAPES["tiny"]), device, dtype)
+    timer = bench.StepTimer(model, "longflow", 4, 40, compile=False)
+    n_bytes = bench.weight_bytes(model) + timer.kv_bytes_read(40)
+    flops = 2 * 4 * bench.weight_bytes(model) / 4 + 4 * 4 * 2 * 4 * 40 * 32  # B 4, fp32; 2 layers, 4 heads, D 32
+    memory_bound = bench.Machine(bandwidth=1e9, matmul_rate=1e30)
+    assert bench.step_floor(timer, 40, memory_bound) == (pytest.approx(n_bytes / 1e9), [])
+    compute_bound = bench.Machine(bandwidth=1e30, matmul_rate=1e9)
+    assert bench.step_floor(timer, 40, compute_bound) == (pytest.approx(flops / 1e9), ["weights", "attention"])
