@@ -642,7 +642,7 @@ def benchmark(args):
     model = make_model(args) if args.workload not in ("kernel", "hf") else None
     hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
     print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
-          f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.0f} TFLOP/s, "
+          f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.3g} TFLOP/s, "
           f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
     try:
         for one in sweep(args):
