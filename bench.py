@@ -38,7 +38,7 @@ import kernel
 from cache import KV_DTYPES, POLICIES, KVCache, resolve_policy, unit_key_sum
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import (Engine, Parser, Sampler, State, Stepper, batch_that_fits, non_negative_int, pick_device,
-                      positive_int, sync_time)
+                      positive_int, reader_gone, sync_time)
 from model import Config, empty_model, load
 
 SHAPES = {
@@ -670,9 +670,8 @@ def main():
         print(f"error: out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave "
               f"--batch out for the largest batch that fits", file=sys.stderr)
         sys.exit(2)
-    except BrokenPipeError:  # `bench.py ... | head -1`: the reader has gone, so has the output
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+    except BrokenPipeError:  # `bench.py ... | head -1`
+        reader_gone()
     except KeyboardInterrupt:
         interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
 

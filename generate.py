@@ -888,9 +888,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except BrokenPipeError:  # `generate.py ... | head -1`: the reader has gone, so has the output
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
-        sys.exit(1)
+    except BrokenPipeError:
+        reader_gone()
+
+
+def reader_gone():
+    """`generate.py ... | head -1`: the reader has gone, so has the output; end quietly (exit status 1)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
+    sys.exit(1)
 
 
 if __name__ == "__main__":

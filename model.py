@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from cache import KVCache, Layer, is_int
+from cache import KVCache, Layer, in_order, is_int
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -242,7 +242,11 @@ class Transformer(nn.Module):
         """tokens, positions: [B, T] (position -1 marks padding). Decodes one token per cache row, or, with
         `rows` [B], prefills whole prompts into those cache rows. Returns logits [B, T, V], or [B, V] at
         index `last` [B] of each row when given (prefill needs only the last prompt token's logits).
-        run_block(block, ...) runs each layer: the decode step passes one compiled function for them all."""
+        run_block(block, ...) runs each layer: the decode step passes one compiled function for them all.
+        Prefill takes right-padded prompts (each row's positions 0, 1, 2, ..., then -1): its attention needs
+        no mask (cache.prefill_attention), so other orders are refused here, once for all layers."""
+        if rows is not None and not in_order(positions):
+            raise ValueError("prefill takes right-padded prompts: each row's positions 0, 1, 2, ..., then -1")
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]
         freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like HF
         angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]

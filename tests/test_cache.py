@@ -522,9 +522,9 @@ def test_fp8_cache_step_compiled_and_replayed_matches_eager_and_never_recompiles
     assert graphed == eager
 
 
-def test_prefill_attention_needs_no_mask_for_right_padded_prompts():
-    """The causal kernel gives every real query what attention masked by position gives it; positions in
-    another order are refused, not silently attended in the wrong order."""
+def test_prefill_attention_needs_no_mask_for_right_padded_prompts(checkpoints):
+    """The causal kernel gives every real query what attention masked by position gives it; prefill with
+    positions in another order is refused, not silently attended in the wrong order."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 37, 16, generator=g)
     k, v = torch.randn(2, 2, 37, 16, generator=g), torch.randn(2, 2, 37, 16, generator=g)
@@ -533,9 +533,11 @@ def test_prefill_attention_needs_no_mask_for_right_padded_prompts():
     visible = positions[:, None, None, :] <= torch.where(positions < 0, 10**9, positions)[:, None, :, None]
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                           attn_mask=visible & (positions >= 0)[:, None, None, :])
-    got = prefill_attention(q, k, v, positions)
+    got = prefill_attention(q, k, v)
     torch.testing.assert_close(got[0, :, :30], want[0, :, :30], atol=1e-6, rtol=1e-6)  # float32 kernels' rounding
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+    model = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0]
+    cache = KVCache(model.cfg, 1, 8, "cpu", torch.float32)
     for bad in ([[1, 2, 3]], [[0, -1, 2]]):
         with pytest.raises(ValueError, match="right-padded prompts"):
-            prefill_attention(q[:1, :, :3], k[:1, :, :3], v[:1, :, :3], torch.tensor(bad))
+            model(torch.tensor([[5, 6, 7]]), torch.tensor(bad), cache, rows=torch.tensor([0]))
