@@ -116,8 +116,9 @@ KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the s
 # splits of a small batch (batch 1: 4.3 us against 7.6 with 2).
 ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
 FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=2)}  # by split
-# With an FP8 cache (sweep on the H200, batch 64 / 256, with selection): 2 warps and 3 stages, 161 / 612 us;
-# 2 stages 181 / 680 us; 4 warps 292 / 894 us
+# With an FP8 cache (sweeps on the H200, batch 64 / 256, with selection): 2 warps and 3 stages, 161 / 612 us
+# (before the weight scaling below); 2 stages 181 / 680 us; 4 warps 292 / 894 us. Blocks of 128 slots at 4
+# warps, and V read as [D, S] (slots contiguous), were no faster (attend kernel alone, 2026-12-01)
 FP8_ATTEND_LAUNCH = dict(num_warps=2, num_stages=3)
 
 
@@ -173,8 +174,9 @@ def _attend_kernel(
         # FP8: e4m3 is exact in fp16 (and fp32); each slot's scale multiplies its logit and its weight below.
         # e4m3 -> fp16 is one hardware conversion, so 16-bit queries meet the keys and the softmax weights
         # the values in fp16 (more mantissa than bf16, and e4m3's 448 is far inside fp16's range). On the
-        # H200, batch 64 / 256: 161 / 612 us, against 201 / 754 us converting e4m3 -> fp32 -> bf16, and
-        # 243 / 922 us converting e4m3 -> bf16 directly (2026-12-01)
+        # H200, batch 64 / 256: 161 / 612 us, against 201 / 754 us converting e4m3 -> fp32 -> bf16, 243 /
+        # 922 us converting e4m3 -> bf16 directly, and 1.6x slower building the fp16 bits with integer
+        # shifts (2026-12-01)
         if FP8_KV and FP16_PRODUCTS:
             kb = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             vb = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -201,7 +203,10 @@ def _attend_kernel(
         corr = tl.exp(m - m_new)
         l = l * corr + tl.sum(e, axis=1)
         if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the block's largest
-            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V
+            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V. On
+            # the H200 (batch 64 / 256, 2026-12-01): 183 / 680 us; unscaled weights 160 / 608 us, but they
+            # are fp16 subnormals for small V and overflow past |v| ~ 3e7; one max over all of the
+            # program's scales before the loop (a pass over them) 191-196 / 723-744 us
             top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
             weight = e * (v_scale / top)[None, :]
             acc = acc * corr[:, None] + tl.dot(weight.to(vb.dtype), vb, input_precision="ieee") * top

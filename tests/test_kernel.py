@@ -401,17 +401,20 @@ def test_fp8_reference_attends_the_values_the_cache_holds():
     assert torch.equal(evict.cpu(), torch.where(empty.any(-1), empty.int().argmax(-1), score.argmin(-1)).expand(2, 2))
 
 
-@pytest.mark.parametrize("size", [1.0, 0.002])  # the largest |v|: small values make small weights
+@pytest.mark.parametrize("size", [1.0, 0.002, 1e8])  # the largest |v|: small values make small weights,
+# large ones weights past fp16's range (65504) unless the kernel scales them down
 def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size):
     """With bf16 queries the kernel multiplies in fp16 (the GPU's path; the interpreter runs it too): its
     error against the reference stays that of bf16 outputs, also when V is small and every weight
-    e_i * scale_i would be an fp16 subnormal."""
+    e_i * scale_i would be an fp16 subnormal, or past fp16's largest value."""
     q, k, v, pos = make_inputs(1, 8, 2, 1024, 64)
     (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * size)
     args, scales = (q.bfloat16(), k, v, pos), dict(k_scale=k_scale, v_scale=v_scale)
     out, evict = kernel.decode_attention(*args, **scales)
     want, want_evict = kernel.decode_attention_ref(*args, **scales)
-    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 4e-3  # bf16 rounding: ~2e-3
+    # the reference's own bf16 output rounding is ~2.2e-3 (relative to fp32); the kernel's fp16 products
+    # in the interpreter add up to ~2e-3 more
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 5e-3
     assert torch.equal(evict, want_evict)
 
 
