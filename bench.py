@@ -8,6 +8,7 @@
     python bench.py generate --shape Qwen3-0.6B          # end to end through the engine
     python bench.py long-prompt --shape R1-Distill-Llama-8B --prompt-len 131072 --new-tokens 256
     python bench.py hf --shape Qwen3-8B --batch 1 32     # transformers full-KV generate, the baseline
+    python bench.py serve --url http://127.0.0.1:8000 --requests 1000 --rate 20   # a running server.py
 
 A decode step must read every weight once and every cached K/V once, and multiply each weight by every
 token of the batch: its floor is a roofline, for each part (weights, attention) the larger of bytes / copy
@@ -21,11 +22,13 @@ figure that does not exist, such as peak memory on a CPU), also of a run stopped
 until then, with "complete": false.
 """
 import argparse
+import asyncio
 import importlib.util
 import itertools
 import json
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -449,6 +452,80 @@ def bench_hf(args, hw: Machine, _):
                       ms_per_step=step * 1e3, tokens_per_s=B / step, peak_gib=peak_gib(args.device)))
 
 
+# ---- a running server under load -----------------------------------------------------------------------------
+async def one_request(client, args, prompt: list[int], delay: float) -> dict:
+    """One streamed completion of exactly --new-tokens tokens (EOS ignored), sent `delay` seconds after the
+    start: when each text chunk came back, and how many tokens it was in all."""
+    await asyncio.sleep(delay)
+    body = {"model": args.served_model, "prompt": prompt, "max_tokens": args.new_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent, chunks, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return dict(error=f"status {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["choices"]:
+                chunks.append(time.perf_counter() - sent)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return dict(sent=sent, chunks=chunks, tokens=tokens)
+
+
+def percentiles(values: list[float]) -> str:
+    values = sorted(values)
+    at = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3
+    return f"{at(0.5):.1f} / {at(0.99):.1f}"
+
+
+async def load_run(args) -> dict:
+    """--requests requests with Poisson arrivals at --rate per second (all at once: inf), prompts of
+    --prompt-len random token ids."""
+    import httpx
+    gen = random.Random(0)
+    clock, delays = 0.0, []
+    for _ in range(args.requests):
+        delays.append(clock)
+        clock += gen.expovariate(args.rate) if math.isfinite(args.rate) else 0.0
+    vocab = args.vocab
+    prompts = [[gen.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.requests + 8, max_keepalive_connections=args.requests + 8)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, args, p, d) for p, d in zip(prompts, delays)))
+        seconds = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r and r["tokens"] == args.new_tokens]
+    failed = [r for r in results if r not in ok]
+    if failed:
+        print(f"{len(failed)} request(s) did not complete, first: {failed[0].get('error', failed[0])}",
+              file=sys.stderr)
+    # inter-token latency: a request's decode time spread over its tokens after the first chunk's
+    itl = [(r["chunks"][-1] - r["chunks"][0]) / max(1, args.new_tokens - 1) for r in ok if len(r["chunks"]) > 1]
+    return dict(workload="serve", requests=args.requests, completed=len(ok), rate=args.rate,
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens, seconds=seconds,
+                tokens_per_s=sum(r["tokens"] for r in ok) / seconds,
+                ttft_ms_p50_p99=percentiles([r["chunks"][0] for r in ok]) if ok else None,
+                itl_ms_p50_p99=percentiles(itl) if itl else None)
+
+
+def bench_serve(args, hw, _):
+    """A server already running at --url (server.py), under --requests streamed requests: served tokens/s,
+    time to first token and inter-token latency (median / 99th percentile), and that every request completed."""
+    import httpx
+    try:
+        models = httpx.get(args.url + "/v1/models", timeout=10,
+                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
+        args.served_model = models["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"no tinyflow server answers at {args.url} ({type(e).__name__}); start server.py first") from None
+    finished(asyncio.run(load_run(args)))
+    if ROWS[-1]["completed"] != args.requests:
+        raise ValueError(f"{args.requests - ROWS[-1]['completed']} of {args.requests} requests did not complete")
+
+
 ROWS = []  # every row measured so far, in order: what --json writes, also when the run is cut short
 
 
@@ -486,15 +563,15 @@ def finite(x):
 
 def write_json(args, hw: Machine, complete: bool):
     """The rows measured so far and the options as given; complete is false for a run cut short."""
-    record = dict(bandwidth=hw.bandwidth, matmul_rate=hw.matmul_rate, device=str(args.device), torch=torch.__version__,
-                  complete=complete,
+    record = dict(bandwidth=hw and hw.bandwidth, matmul_rate=hw and hw.matmul_rate,  # None: serve measures none
+                  device=str(args.device), torch=torch.__version__, complete=complete,
                   args=vars(args), rows=ROWS)
     with open(args.json, "w") as f:  # default=str: the device and the dtype
         json.dump(finite(record), f, indent=1, allow_nan=False, default=str)
 
 
 WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
-             "generate": bench_generate, "long-prompt": bench_long_prompt, "hf": bench_hf}
+             "generate": bench_generate, "long-prompt": bench_long_prompt, "hf": bench_hf, "serve": bench_serve}
 # The options each workload reads (argparse names). Given to another workload, one would do nothing, so it is
 # refused; --device and --json apply to all.
 READS = {
@@ -505,6 +582,7 @@ READS = {
     "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "hf": {"shape", "batch", "prompt_len", "new_tokens"},
+    "serve": {"url", "requests", "rate", "prompt_len", "new_tokens", "api_key", "vocab"},
 }
 
 
@@ -530,9 +608,25 @@ def parser() -> Parser:
                    help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 and per-slot scales)")
     p.add_argument("--validate", type=non_negative_int, default=0,
                    help="throughput: also run this many new tokens end to end and compare with the prediction")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the running server.py")
+    p.add_argument("--requests", type=positive_int, default=1000, help="serve: requests sent in all")
+    p.add_argument("--rate", type=positive_float, default=math.inf,
+                   help="serve: mean requests per second, Poisson arrivals (default: all at once)")
+    p.add_argument("--vocab", type=positive_int, default=1000, help="serve: prompt ids are drawn below this")
+    p.add_argument("--api-key", default=None, help="serve: the server's --api-key")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
     return p
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (inf: all at once), got {text!r}")
+    return value
 
 
 def check_args(args, p: Parser):
@@ -639,11 +733,13 @@ def sweep(args):
 
 def benchmark(args):
     """Set up (the model first: a bad --model fails before anything is measured), measure, write."""
-    model = make_model(args) if args.workload not in ("kernel", "hf") else None
-    hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
-    print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
-          f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.3g} TFLOP/s, "
-          f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
+    model = make_model(args) if args.workload not in ("kernel", "hf", "serve") else None
+    hw = None
+    if args.workload != "serve":  # the server's machine is measured by the server's own runs
+        hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
+        print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
+              f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.3g} TFLOP/s, "
+              f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
     try:
         for one in sweep(args):
             WORKLOADS[args.workload](one, hw, model)

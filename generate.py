@@ -407,7 +407,7 @@ class Engine:
         if not all(-2**63 <= s < 2**63 for s in seed):  # the decode step keeps them in an int64 tensor
             raise ValueError(f"seeds must fit in 64 bits (-2**63 <= seed < 2**63; with one seed, prompt i gets "
                              f"seed + i); got {max(seed, key=abs)}")
-        return drain(self._serve(prompts, [max_new_tokens] * len(prompts), set(eos_ids), budget, policy,
+        return drain(self._serve(prompts, [max_new_tokens] * len(prompts), [set(eos_ids)] * len(prompts), budget, policy,
                                  prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens, on_done=on_done))
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]], budget: int | None = None,
@@ -435,15 +435,15 @@ class Engine:
         # of many lengths share one compiled step (the index into it is clamped, the padding never fed)
         length = max(RING, 2 ** math.ceil(math.log2(max(map(len, continuations)))))
         forcing = (length, on_dists is not None)
-        return (yield from self._serve(prompts, [len(c) for c in continuations], set(), budget, policy,
+        return (yield from self._serve(prompts, [len(c) for c in continuations], [set()] * len(prompts), budget, policy,
                                        prompt_rule, forcing, batch_size, continuations=continuations,
                                        on_dists=on_dists))
 
-    def _serve(self, prompts, limits: list[int], eos: set, budget, policy, prompt_rule, mode, batch_size,
+    def _serve(self, prompts, limits: list[int], eos: list[set], budget, policy, prompt_rule, mode, batch_size,
                seed=None, on_tokens=None, on_done=None, continuations=None, on_dists=None):
         """The common part of generate and score, a generator that yields at every host sync. mode: the
         Sampling of each prompt, or (continuation buffer length, keep_dists) for teacher forcing. limits: the
-        tokens each prompt produces at most."""
+        tokens each prompt produces at most; eos: the ids that end each prompt's output."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if not isinstance(policy, Policy):
@@ -460,7 +460,6 @@ class Engine:
         t0 = sync_time(self.device)
         sampling = mode if isinstance(mode, list) else None
         self._prepare(batch, budget, policy, prompt_rule, "sample" if sampling else mode)
-        self.stepper.hot = bool(sampling) and any(s.temperature > 0 for s in sampling)
         t1 = sync_time(self.device)
         run = Progress([[] for _ in prompts])
         stats = lambda: self._stats(prompts, run, batch, t1 - t0, sync_time(self.device) - t1, budget, policy)
@@ -542,25 +541,47 @@ class Engine:
         self.stepper = Stepper(self.model, self.cache, self.state, self.mode, self.compile)
         self.key = key
 
+    def serve(self, feed, batch_size: int, slots: int, policy: Policy, prompt_rule: str = "snapkv"):
+        """Continuous batching, for server.py: a generator that decodes the requests feed.arrivals() hands
+        over, each admitted into a free row at a host sync, until it returns None. slots: KV slots per row (the
+        budget; for the full policy, room for the longest request the feed will give). The feed also says
+        which requests to stop early (feed.stopped(i)) and is given each one's tokens (feed.progress(i, ids)
+        at every sync, feed.finished(i, ids) at its end)."""
+        self._prepare(batch_size, slots, policy, prompt_rule, "sample")
+        yield from self._run(Progress([]), [], [], [], [], [], None, feed.finished, None, None, feed)
+
     def _run(self, run: Progress, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations,
-             on_dists):
+             on_dists, feed=None):
         """Decode until every prompt is done, refilling rows as they free up, yielding after each host sync.
-        Fills run.outs: per prompt its tokens, or with teacher forcing its (token, logprob, argmax) records."""
+        Fills run.outs: per prompt its tokens, or with teacher forcing its (token, logprob, argmax) records.
+        With a feed (serve), prompts arrive between syncs and the loop waits for them when it has none."""
         B = self.state.tokens.shape[0]
         self.state.count.zero_()
         outs = run.outs
         serving = [None] * B  # the prompt each row decodes for
         waiting = deque(range(len(prompts)))
         token = (lambda r: r[0]) if continuations else (lambda r: r)
-        done = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos or len(outs[p]) == limits[p])
+        stopped = feed.stopped if feed else lambda p: False
+        done = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos[p] or len(outs[p]) == limits[p] or stopped(p))
 
         def release(b, p):  # prompt p is done: hand its output over and free its row
             serving[b] = None
             if on_done:
                 on_done(p, outs[p])
+            if feed:  # a server runs for ever: forget what it has handed over
+                prompts[p] = outs[p] = sampling[p] = None
 
         steps_read = 0
         while True:
+            if feed:  # new requests; when nothing runs, this waits for one (None: the server stops)
+                arrived = feed.arrivals(idle=not waiting and all(p is None for p in serving))
+                if arrived is None:
+                    return
+                for prompt, limit, ends, sample_with, sample_seed in arrived:
+                    waiting.append(len(prompts))
+                    for values, value in ((prompts, prompt), (limits, limit), (eos, ends), (sampling, sample_with),
+                                          (seed, sample_seed), (outs, [])):
+                        values.append(value)
             while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
                 rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
                 taken = [waiting.popleft() for _ in rows]
@@ -571,11 +592,17 @@ class Engine:
                     serving[b] = p
                     if done(p):
                         release(b, p)
+                    elif feed:
+                        feed.progress(p, outs[p])
                 run.prefill_s += sync_time(self.device) - t
             if on_tokens:
                 on_tokens(outs[0])
             if all(p is None for p in serving):
+                if feed:
+                    continue
                 return
+            if sampling:  # the step that sorts the vocabulary only while some row samples
+                self.stepper.hot = any(sampling[p].temperature > 0 for p in serving if p is not None)
             for _ in range(self.sync_every):
                 self.stepper()
             # the one host sync every sync_every steps. Its index lives on the host and the device copies are
@@ -597,6 +624,8 @@ class Engine:
                     on_dists(p, before, self.mode.dists[b, cols[:len(outs[p]) - before]])
                 if done(p):
                     release(b, p)
+                elif feed:
+                    feed.progress(p, outs[p])
             yield
 
     def _admit(self, rows: list[int], prompts, taken: list[int], seed, sampling, continuations, on_dists) -> list:

@@ -25,12 +25,13 @@ def test_the_wheel_holds_every_module_the_datasets_and_the_commands(tmp_path):
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("tinyflow-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {f"{m}.py" for m in ("tinyflow", "model", "cache", "kernel", "generate", "eval", "bench")}
+    modules = {f"{m}.py" for m in ("tinyflow", "model", "cache", "kernel", "generate", "eval", "bench", "server")}
     datasets = {f"tinyflow_data/{d}.jsonl" for d in ("aime24", "aime25", "amc", "gsm8k", "math", "minerva",
                                                      "olympiad", "rust_book")}
     assert modules | datasets <= names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for command in ("tinyflow-generate = generate:main", "tinyflow-eval = eval:main", "tinyflow-bench = bench:main"):
+    for command in ("tinyflow-generate = generate:main", "tinyflow-eval = eval:main", "tinyflow-bench = bench:main",
+                    "tinyflow-serve = server:main"):
         assert command in entry_points
 
 

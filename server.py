@@ -1,0 +1,620 @@
+"""An OpenAI-compatible HTTP server: many users share one GPU through one engine loop.
+
+    python server.py --model Qwen/Qwen3-8B --budget 3200            # http://127.0.0.1:8000/v1
+    curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "Hi"}]}'
+
+One thread owns the GPU and runs Engine.serve: at every host sync (every 16 decode steps) it admits
+waiting requests into free rows of the batch, hands each request its new tokens, and frees the rows of
+requests that ended (EOS, max_tokens, a stop string, a client gone). The HTTP handlers run on asyncio and
+never block that thread: each request's tokens wait in its own queue until its client reads them.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not),
+GET /v1/models, GET /health. Errors are OpenAI's error JSON with a 4xx status; the server keeps serving.
+"""
+import asyncio
+import json
+import math
+import queue
+import random
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cache import KV_DTYPES, POLICIES, PROMPT_RULES, resolve_policy
+from generate import Engine, Parser, Sampling, check_policy_args, non_negative_int, pick_device, positive_int
+from model import load
+
+try:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+except ImportError:  # the `serve` extra; main() says what to install
+    Starlette = None
+
+SYNC_TICK = 0.05  # seconds the idle engine thread waits for a request before looking again
+
+
+class ApiError(Exception):
+    """A request the server refuses: its HTTP status and OpenAI's error object."""
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self):
+        body = {"message": self.message, "type": self.TYPES.get(self.status, "server_error"), "param": self.param,
+                "code": None}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+# ---- one request, as the engine thread and its HTTP handler share it ------------------------------------
+@dataclass
+class Job:
+    """One generation: what the engine needs to admit it, and the queue its handler reads. The engine
+    thread puts (new ids, finished) events into the queue through the handler's event loop."""
+    prompt: list[int]
+    max_tokens: int
+    eos: set
+    sampling: Sampling
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = 0  # ids handed to the handler so far (engine thread only)
+    stop: bool = False  # set by the handler: the client left, or a stop string ended the text
+
+    def push(self, ids: list[int], finished: bool):
+        new, self.sent = list(ids[self.sent:]), len(ids)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (new, finished))
+
+
+class Feed:
+    """The engine loop's side of the server (Engine.serve's feed): requests in, tokens out."""
+
+    def __init__(self, max_waiting: int):
+        self.inbox, self.max_waiting = queue.Queue(), max_waiting
+        self.jobs: dict[int, Job] = {}  # by the engine's request index, until it ends
+        self.count = 0  # requests handed to the engine so far
+        self.lock = threading.Lock()  # for the two counts below, which both threads change
+        self.waiting = 0  # submitted, no row yet (in the inbox, or in the engine's own queue)
+        self.active = 0  # decoding in a row
+        self.closing = False
+        self.ready = threading.Event()  # set once the decode step is compiled and the loop runs
+
+    def submit(self, job: Job):
+        if self.closing:
+            raise ApiError(503, "the server is shutting down")
+        with self.lock:
+            if self.waiting >= self.max_waiting:
+                raise ApiError(429, f"{self.max_waiting} requests are already waiting for a free row; retry later")
+            self.waiting += 1
+        self.inbox.put(job)
+
+    def _moved(self, waiting: int, active: int):
+        with self.lock:
+            self.waiting += waiting
+            self.active += active
+
+    def arrivals(self, idle: bool):
+        """New requests, as Engine.serve reads them at each host sync: waits while idle; None ends the loop."""
+        self.ready.set()
+        jobs = []
+        while not jobs:
+            try:
+                jobs.append(self.inbox.get(timeout=SYNC_TICK) if idle else self.inbox.get_nowait())
+            except queue.Empty:
+                if self.closing and idle:
+                    return None
+                if not idle:
+                    break
+        while True:
+            try:
+                jobs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        left = [job for job in jobs if job.stop]  # clients that left while waiting
+        self._moved(-len(left), 0)
+        jobs = [job for job in jobs if not job.stop]
+        for job in jobs:
+            self.jobs[self.count] = job
+            self.count += 1
+        return [(j.prompt, j.max_tokens, j.eos, j.sampling, j.seed) for j in jobs]
+
+    def stopped(self, i: int) -> bool:
+        return self.closing or self.jobs[i].stop
+
+    def progress(self, i: int, ids: list[int]):
+        job = self.jobs[i]
+        if job.sent == 0:  # its first token: it has a row
+            self._moved(-1, 1)
+        job.push(ids, finished=False)
+
+    def finished(self, i: int, ids: list[int]):
+        job = self.jobs.pop(i)
+        self._moved(-1, 0) if job.sent == 0 else self._moved(0, -1)
+        job.push(ids, finished=True)
+
+
+# ---- text out: incremental decoding, reasoning, stop strings ---------------------------------------------
+class TextStream:
+    """The text of a growing list of ids, a piece at a time. Each piece decodes from a few ids back, so that
+    tokenizers which drop a leading space at the start of a decode, and characters split across ids, come
+    out as decoding the whole list would; a piece ending in half a character waits for the rest."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.start, self.read = tokenizer, [], 0, 0
+
+    def add(self, ids: list[int], last: bool = False) -> str:
+        self.ids += ids
+        before = self.tok.decode(self.ids[self.start:self.read])
+        now = self.tok.decode(self.ids[self.start:])
+        if (now.endswith("\ufffd") and not last) or len(now) <= len(before):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        return now[len(before):]
+
+
+class Output:
+    """One request's output as its handler sees it: the ids split into reasoning (inside <think> ...
+    </think>, for models that think) and content, each decoded as it streams, stop strings applied.
+    A piece of text is held back while it could be the start of a stop string."""
+
+    def __init__(self, tok, eos: set, stop: list[str], thinking: tuple[int, int] | None, reasoning: bool):
+        self.eos, self.stop, self.thinking = eos, stop, thinking
+        self.streams = {"reasoning_content": TextStream(tok), "content": TextStream(tok)}
+        self.part = "reasoning_content" if reasoning else "content"  # where the next text goes
+        self.text = {"reasoning_content": "", "content": ""}  # all of it (stop strings cut), held back included
+        self.shown = {"reasoning_content": 0, "content": 0}  # characters of it already given out
+        self.tokens, self.finish = 0, None  # ids counted as generated; "stop" / "length" once ended
+
+    def add(self, ids: list[int], finished: bool, max_tokens: int) -> dict:
+        """Take the new ids; returns the new text of each part that grew: {"content": "..."}."""
+        for t in ids:
+            if self.finish:
+                break
+            self.tokens += 1
+            if t in self.eos:
+                self.finish = "stop"
+            elif self.thinking and t == self.thinking[0] and self.tokens == 1:
+                self.part = "reasoning_content"  # the model opens its thinking itself (Qwen3)
+            elif self.thinking and t == self.thinking[1] and self.part == "reasoning_content":
+                self._flush()
+                self.part = "content"
+            else:
+                self.text[self.part] += self.streams[self.part].add([t])
+                self._cut_at_stop()
+        if not self.finish and finished:
+            self.finish = "length" if self.tokens >= max_tokens else "stop"
+        if self.finish:
+            self._flush()
+        return self._new_text()
+
+    def _flush(self):  # the part's last, possibly incomplete, character
+        self.text[self.part] += self.streams[self.part].add([], last=True)
+        self._cut_at_stop()
+
+    def _cut_at_stop(self):
+        text = self.text[self.part]
+        at = min((i for i in (text.find(s, max(0, self.shown[self.part] - len(s))) for s in self.stop) if i >= 0),
+                 default=-1)
+        if at >= 0:
+            self.text[self.part], self.finish = text[:at], "stop"
+
+    def _new_text(self) -> dict:
+        new = {}
+        for part, text in self.text.items():
+            hold = 0 if self.finish else max((len(s) - 1 for s in self.stop), default=0)
+            end = max(self.shown[part], len(text) - hold)
+            if end > self.shown[part]:
+                new[part], self.shown[part] = text[self.shown[part]:end], end
+        return new
+
+
+# ---- reading requests ------------------------------------------------------------------------------------
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def take(body: dict, name: str, check, what: str, default=None):
+    """body[name] if present and not null, else default; checked with `check`, refused as `what` otherwise."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:100]}", name)
+    return value
+
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "n",
+          "stream", "stream_options", "ignore_eos", "user", "presence_penalty", "frequency_penalty", "logprobs",
+          "logit_bias"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools", "tool_choice",
+                 "response_format", "parallel_tool_calls"}
+COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+def check_unsupported(body: dict, known: set):
+    """Fields this server does not know, or knows but cannot honour, are refused rather than ignored."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(400, f"unsupported field '{unknown[0]}'", unknown[0])
+    for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0),
+                          ("logprobs", False), ("echo", False), ("top_logprobs", 0), ("logit_bias", {}),
+                          ("tools", []), ("suffix", "")):
+        if body.get(name) not in (None, neutral):
+            raise ApiError(400, f"'{name}' other than {json.dumps(neutral)} is not supported by this server", name)
+    for name in ("tool_choice", "response_format", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is not supported by this server (no tools or structured output)", name)
+
+
+class Server:
+    """The model, its engine thread, and the HTTP handlers."""
+
+    def __init__(self, llm_model, tokenizer, engine: Engine, args):
+        self.model, self.tok, self.engine, self.args = llm_model, tokenizer, engine, args
+        self.name = args.served_model_name or args.model
+        self.policy = resolve_policy(args.policy, args.budget, args.sinks, args.window,
+                                     args.prompt_compression or "snapkv")
+        cfg = llm_model.cfg
+        self.context = args.max_model_len or cfg.max_position_embeddings or 32768
+        self.slots = args.budget or self.context  # the full policy: room for the longest request
+        self.rows = engine._batch_size(args.max_batch or (None if engine.device.type == "cuda" else 8),
+                                       args.max_batch or 2**20, self.slots, self.context)
+        self.feed = Feed(args.max_waiting)
+        vocab = tokenizer.tok.get_vocab()
+        ends = vocab.get("<think>"), vocab.get("</think>")
+        self.thinking = ends if None not in ends else None
+        self.failed = None  # the engine loop's exception, if it died
+        self.thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+
+    def _engine_loop(self):
+        try:
+            for _ in self.engine.serve(self.feed, self.rows, self.slots, self.policy,
+                                       self.args.prompt_compression or "snapkv"):
+                pass
+        except BaseException as e:  # every waiting handler is told; /health reports it
+            self.failed = e
+            self.feed.closing = True
+            for job in list(self.feed.jobs.values()):
+                job.loop.call_soon_threadsafe(job.events.put_nowait, (None, True))
+            raise
+
+    # ---- the parts of a request --------------------------------------------------------------------------
+    async def read_body(self, request) -> dict:
+        if self.args.api_key and request.headers.get("authorization") != f"Bearer {self.args.api_key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+        size = request.headers.get("content-length")
+        if size and size.isdigit() and int(size) > self.args.max_body_bytes:
+            raise ApiError(413, f"the request body is over {self.args.max_body_bytes} bytes")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.args.max_body_bytes:
+                raise ApiError(413, f"the request body is over {self.args.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = take(body, "model", lambda m: isinstance(m, str), "a string")
+        if model is None:
+            raise ApiError(400, "'model' is required", "model")
+        if model != self.name:
+            raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{self.name}'", "model")
+        return body
+
+    def job(self, body: dict, prompt: list[int], loop) -> Job:
+        """The generation a checked body asks for: its limits and sampling settings."""
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        room = self.context - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens, and this server's context is {self.context}: "
+                                f"no room for an answer", "messages" if "messages" in body else "prompt")
+        count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1
+        max_tokens = take(body, "max_completion_tokens", count, "an integer >= 1")
+        max_tokens = take(body, "max_tokens", count, "an integer >= 1", max_tokens)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt)} tokens is past this server's "
+                                f"context of {len(prompt) + room} tokens; ask for at most {room}", "max_tokens")
+        temperature = take(body, "temperature", lambda x: is_number(x) and 0 <= x <= 2, "a number in [0, 2]")
+        top_p = take(body, "top_p", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1]")
+        top_k = take(body, "top_k", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= -1,
+                     "an integer >= 0 (0 or -1: no limit)")
+        penalty = take(body, "repetition_penalty", lambda x: is_number(x) and x > 0, "a number > 0")
+        try:
+            sampling = Sampling.with_defaults(self.tok.defaults, temperature, max(top_k, 0) if top_k is not None
+                                              else None, top_p, penalty)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        seed = take(body, "seed", lambda x: isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63,
+                    "an integer of 64 bits", random.randrange(2**31))
+        ignore_eos = take(body, "ignore_eos", lambda x: isinstance(x, bool), "true or false", False)
+        return Job(prompt, max_tokens, set() if ignore_eos else set(self.tok.eos_ids), sampling, seed, loop)
+
+    def stop_strings(self, body) -> list[str]:
+        stop = take(body, "stop", lambda s: isinstance(s, str) or (isinstance(s, list) and len(s) <= 4 and all(
+            isinstance(x, str) for x in s)), "a string or a list of at most 4 strings", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if any(s == "" for s in stop):
+            raise ApiError(400, "'stop' strings must not be empty", "stop")
+        return stop
+
+    def stream_options(self, body) -> tuple[bool, bool]:
+        """Whether to stream, and whether the stream ends with a usage chunk."""
+        stream = take(body, "stream", lambda x: isinstance(x, bool), "true or false", False)
+        options = take(body, "stream_options", lambda x: isinstance(x, dict) and set(x) <= {"include_usage"}
+                       and isinstance(x.get("include_usage", False), bool), 'an object {"include_usage": bool}')
+        if options is not None and not stream:
+            raise ApiError(400, "'stream_options' only goes with 'stream': true", "stream_options")
+        return stream, bool(options and options.get("include_usage"))
+
+    def chat_prompt(self, body) -> tuple[list[int], bool]:
+        """The rendered conversation's ids, and whether the model starts its answer inside <think>."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, "each message must be an object with a string 'role'", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI's content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ApiError(400, "message content parts must be {\"type\": \"text\", \"text\": ...}: this "
+                                        "model reads text only", "messages")
+                m["content"] = "".join(p["text"] for p in content)
+            elif not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
+                raise ApiError(400, "each message's 'content' must be a string", "messages")
+        kwargs = take(body, "chat_template_kwargs", lambda x: isinstance(x, dict) and set(x) <= {"enable_thinking"}
+                      and isinstance(x.get("enable_thinking", True), bool),
+                      'an object {"enable_thinking": bool} (the only template option this server passes)', {})
+        if self.tok.template is None:
+            raise ApiError(400, "this model has no chat template: use /v1/completions with a plain prompt", "messages")
+        try:
+            ids = self.tok.chat(messages, kwargs.get("enable_thinking", True))
+        except ValueError as e:  # the template itself refused the conversation, or has an error
+            raise ApiError(400, str(e), "messages") from None
+        thinking = False
+        if self.thinking:  # a template that opens <think> for the model (DeepSeek-R1's) leaves it open
+            opened, closed = (max((i for i, t in enumerate(ids) if t == e), default=-1) for e in self.thinking)
+            thinking = opened > closed
+        return ids, thinking
+
+    def completion_prompt(self, body) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.tok.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(0 <= t < self.model.cfg.vocab_size for t in prompt):
+                raise ApiError(400, f"token ids must be in [0, {self.model.cfg.vocab_size})", "prompt")
+            return prompt
+        raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request: send several "
+                            "requests for several)", "prompt")
+
+    # ---- the handlers --------------------------------------------------------------------------------------
+    async def chat_completions(self, request):
+        return await self.handle(request, chat=True)
+
+    async def completions(self, request):
+        return await self.handle(request, chat=False)
+
+    async def handle(self, request, chat: bool):
+        try:
+            if self.failed or not self.feed.ready.is_set():
+                raise ApiError(503, "the engine is not running" if self.failed else "the model is still loading")
+            body = await self.read_body(request)
+            check_unsupported(body, CHAT if chat else COMPLETION)
+            stream, usage = self.stream_options(body)
+            stop = self.stop_strings(body)
+            prompt, thinking = self.chat_prompt(body) if chat else (self.completion_prompt(body), False)
+            job = self.job(body, prompt, asyncio.get_running_loop())
+            out = Output(self.tok, job.eos, stop, self.thinking if chat else None, thinking)
+            self.feed.submit(job)
+        except ApiError as e:
+            return e.response()
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=499)
+        reply = Reply(self.name, chat, job, out)
+        if stream:
+            return StreamingResponse(reply.stream(usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await reply.whole(request)
+
+    async def models(self, request):
+        if self.args.api_key and request.headers.get("authorization") != f"Bearer {self.args.api_key}":
+            return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'").response()
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": STARTED,
+                                                          "owned_by": "tinyflow", "max_model_len": self.context}]})
+
+    async def health(self, request):
+        if self.failed:
+            return JSONResponse({"status": "failed", "error": repr(self.failed)}, status_code=503)
+        if not self.feed.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok", "rows": self.rows, "slots": self.slots, "policy": self.policy.name,
+                             "active": self.feed.active, "waiting": self.feed.waiting})
+
+
+STARTED = int(time.time())
+
+
+class Reply:
+    """The response to one request: OpenAI's objects, whole or as server-sent-event chunks."""
+
+    def __init__(self, model: str, chat: bool, job: Job, out: Output):
+        self.model, self.chat, self.job, self.out = model, chat, job, out
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    async def events(self):
+        """(new text by part, finished) as the engine produces ids; the job stops once the output is done."""
+        while True:
+            ids, finished = await self.job.events.get()
+            if ids is None:
+                raise RuntimeError("the engine loop stopped")
+            new = self.out.add(ids, finished, self.job.max_tokens)
+            if self.out.finish and not finished:
+                self.job.stop = True  # a stop string: the engine frees the row at its next sync
+            yield new, self.out.finish is not None
+            if self.out.finish:
+                return
+
+    def usage(self) -> dict:
+        n = self.out.tokens
+        return {"prompt_tokens": len(self.job.prompt), "completion_tokens": n, "total_tokens": len(self.job.prompt) + n}
+
+    async def whole(self, request):
+        watch = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            async for _ in self.events():
+                pass
+        finally:
+            watch.cancel()
+            self.job.stop = True
+        text = self.out.text
+        if self.chat:
+            message = {"role": "assistant", "content": text["content"]}
+            if self.out.thinking:
+                message["reasoning_content"] = text["reasoning_content"] or None
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.out.finish}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text["content"], "logprobs": None, "finish_reason": self.out.finish}
+            kind = "text_completion"
+        return JSONResponse({"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                             "choices": [choice], "usage": self.usage()})
+
+    async def _watch_disconnect(self, request):
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.2)
+        self.job.stop = True  # the client left: its row frees at the next sync
+
+    async def stream(self, include_usage: bool):
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = lambda choices, **extra: "data: " + json.dumps(
+            {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+             **extra}) + "\n\n"
+        try:
+            if self.chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for new, finished in self.events():
+                pieces = [{part: text} for part, text in new.items()] if self.chat else \
+                    [{"text": new["content"]}] if "content" in new else []
+                for piece in pieces:
+                    key = "delta" if self.chat else None
+                    yield chunk([{"index": 0, **({key: piece} if key else piece), "logprobs": None,
+                                  "finish_reason": None}])
+                if finished:
+                    end = {"delta": {}} if self.chat else {"text": ""}
+                    yield chunk([{"index": 0, **end, "logprobs": None, "finish_reason": self.out.finish}])
+            if include_usage:
+                yield chunk([], usage=self.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects mid-stream (Starlette cancels this generator)
+            self.job.stop = True
+
+
+def app(server: Server):
+    async def failure(request, exc):  # a bug in one request's handling fails that request only
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    return Starlette(routes=[
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+    ], exception_handlers={Exception: failure})
+
+
+# ---- the command line -------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = Parser(prog="server.py", description="An OpenAI-compatible server with LongFlow KV-cache compression.")
+    p.add_argument("--model", required=True, help="Hugging Face id or local folder")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="KV slots per sequence and layer (default: keep every token)")
+    p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
+                   help=f"the eviction rule, one of {', '.join(POLICIES)} (default: longflow with --budget, "
+                        f"full without)")
+    p.add_argument("--sinks", type=non_negative_int, default=None, help="first tokens never evicted")
+    p.add_argument("--window", type=non_negative_int, default=None, help="recent tokens never evicted")
+    p.add_argument("--prompt-compression", default=None, choices=PROMPT_RULES,
+                   help="how a prompt longer than --budget is cut (default: snapkv)")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES), help="auto (the model's dtype) or fp8")
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="rows decoded together (default: as many as fit in GPU memory; 8 on the CPU)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="prompt + output tokens per request at most (default: the model's "
+                        "max_position_embeddings); with the full policy, also each row's KV slots")
+    p.add_argument("--max-waiting", type=positive_int, default=256,
+                   help="requests waiting for a row before new ones get 429")
+    p.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--api-key", default=None, help="if set, every request must send 'Authorization: Bearer KEY'")
+    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1: this machine only; 0.0.0.0: every interface")
+    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let requests run past the model's max_position_embeddings")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    return p.parse_args(argv)
+
+
+def build(args) -> Server:
+    check_policy_args(args)
+    device, dtype = pick_device(args.device, args.dtype)
+    model, tok = load(args.model, device, dtype)
+    limit = model.cfg.max_position_embeddings
+    if args.max_model_len and limit and args.max_model_len > limit and not args.allow_long_context:
+        raise ValueError(f"--max-model-len {args.max_model_len} is past the model's max_position_embeddings "
+                         f"{limit}; lower it, or add --allow-long-context")
+    engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
+                    kv_dtype=KV_DTYPES[args.kv_dtype])
+    return Server(model, tok, engine, args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if Starlette is None:
+        print("error: the server needs its extra: pip install 'tinyflow[serve]' (starlette, uvicorn)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        server = build(args)
+        server.thread.start()
+        print(f"compiling the decode step for {server.rows} rows of {server.slots} KV slots...", file=sys.stderr,
+              flush=True)
+        while not server.feed.ready.wait(0.5):
+            if not server.thread.is_alive():
+                print(f"error: the engine failed to start: {server.failed}", file=sys.stderr)
+                sys.exit(1)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # while loading or compiling (the engine thread is a daemon: it goes too)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    print(f"serving {server.name} on http://{args.host}:{args.port}/v1 ({server.rows} rows, {server.policy.name}, "
+          f"{server.slots} slots)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app(server), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        server.feed.closing = True
+        server.thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

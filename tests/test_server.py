@@ -1,0 +1,333 @@
+"""server.py through the real `openai` client: a server subprocess on a free localhost port, the tiny Qwen3
+checkpoint on the CPU. Every answer is checked against what LLM.generate gives the same prompt alone."""
+import concurrent.futures
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="the server tests need the test extra (openai)")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette", reason="the server needs the serve extra (starlette, uvicorn)")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import server as srv  # noqa: E402
+import tinyflow  # noqa: E402
+from model import load  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server.py subprocess; .url, .client (openai), .stop() (SIGINT, as Ctrl-C) returns its exit status."""
+
+    def __init__(self, model, *options, api_key="none"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--model", str(model), "--device", "cpu",
+                                      "--no-compile", "--port", str(self.port), *options],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not come up in 120 s"
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def post(self, path, body, **kwargs):
+        return httpx.post(self.url + path, content=body if isinstance(body, (bytes, str)) else json.dumps(body),
+                          headers={"Content-Type": "application/json", **kwargs.pop("headers", {})}, timeout=60,
+                          **kwargs)
+
+    def active(self) -> int:
+        return httpx.get(self.url + "/health").json()["active"]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoints):
+    return checkpoints["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Running(model_dir, "--max-batch", "4", "--served-model-name", "tiny")
+    yield s
+    assert s.stop() == 0, "Ctrl-C must shut the server down cleanly"
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir):
+    """What LLM.generate gives one prompt alone, greedy, exactly max_tokens tokens: (text, ids)."""
+    llm = tinyflow.LLM(str(model_dir), device="cpu", compile=False)
+
+    def generate(prompt, max_tokens, chat=False):
+        ids = llm.tokenizer.chat(prompt) if chat else prompt
+        out = llm.generate([ids], max_new_tokens=max_tokens, ignore_eos=True, batch_size=1)[0]
+        return out.text, out.token_ids
+    return generate
+
+
+HELLO = [{"role": "user", "content": "Hello world, hello tinyflow!"}]
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load(str(model_dir), torch.device("cpu"), torch.float32)[1]
+
+
+def test_chat_completion_is_what_llm_generate_gives_alone(server, alone, tok):
+    r = server.client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=24, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    text, ids = alone(HELLO, 24, chat=True)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.completion_tokens, r.usage.prompt_tokens) == (24, len(tok.chat(HELLO)))
+
+
+def test_completion_of_text_and_of_token_ids_is_what_llm_generate_gives_alone(server, alone, tok):
+    text, ids = alone("The quick brown fox", 20)
+    r = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=20, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text and r.usage.completion_tokens == 20
+    prompt_ids = tok.encode("The quick brown fox")
+    r = server.client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=20, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text and r.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_streamed_chunks_add_up_to_the_whole_answer_and_end_with_usage(server, alone):
+    text, _ = alone(HELLO, 30, chat=True)
+    chunks = list(server.client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    streamed = list(server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=20,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == alone("The quick brown fox", 20)[0]
+    assert streamed[-1].choices[0].finish_reason == "length" and streamed[-1].usage is None
+
+
+def test_sixteen_concurrent_clients_on_four_rows_each_get_their_own_answer(server, alone):
+    """Requests of different lengths arrive together; rows free up and refill at host syncs as each ends."""
+    prompts = [f"Hello world {'hello ' * i}tinyflow" for i in range(16)]
+    lengths = [5 + 3 * i for i in range(16)]
+    ask = lambda i: server.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i],
+                                                     temperature=0, extra_body={"ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, range(16)))
+    for i, r in enumerate(replies):
+        assert r.choices[0].text == alone(prompts[i], lengths[i])[0], f"request {i}"
+        assert r.usage.completion_tokens == lengths[i]
+
+
+def wait_until_idle(server, seconds=10.0):
+    deadline = time.time() + seconds
+    while server.active() and time.time() < deadline:
+        time.sleep(0.1)
+    return server.active() == 0
+
+
+@pytest.fixture(scope="module")
+def long_server(model_dir):
+    """Room for 100,000-token requests (past the tiny model's 512 positions: allowed), one row, one waiting
+    request at most, and an API key."""
+    s = Running(model_dir, "--max-batch", "1", "--max-waiting", "1", "--max-model-len", "100000",
+                "--allow-long-context", "--budget", "64", "--served-model-name", "tiny", "--api-key", "sesame",
+                api_key="sesame")
+    yield s
+    assert s.stop() == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(long_server):
+    auth = {"Authorization": "Bearer sesame"}
+    response = httpx.stream("POST", long_server.url + "/v1/completions", timeout=60, headers=auth, json={
+        "model": "tiny", "prompt": "Hello", "max_tokens": 90000, "ignore_eos": True, "stream": True})
+    lines = response.__enter__().iter_lines()  # kept: dropping the iterator would close the stream
+    next(lines)
+    assert long_server.active() == 1
+    response.__exit__(None, None, None)  # the client goes away
+    assert wait_until_idle(long_server), "the row of a client that left was not freed"
+    r = long_server.client.completions.create(model="tiny", prompt="Hello", max_tokens=5)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_full_queue_answers_429_and_serving_goes_on(long_server):
+    auth = {"Authorization": "Bearer sesame"}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 90000, "ignore_eos": True, "stream": True}
+    first = httpx.stream("POST", long_server.url + "/v1/completions", timeout=60, headers=auth, json=body)
+    lines = first.__enter__().iter_lines()
+    next(lines)  # it holds the only row
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(long_server.client.completions.create, model="tiny", prompt="Hi", max_tokens=3)
+        deadline = time.time() + 10
+        while httpx.get(long_server.url + "/health").json()["waiting"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        r = long_server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3}, headers=auth)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        first.__exit__(None, None, None)
+        assert waiting.result(timeout=30).usage.completion_tokens >= 1  # admitted once the row freed
+
+
+def test_the_api_key_is_checked_on_every_endpoint(long_server):
+    for key in (None, "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert long_server.post("/v1/completions", {"model": "tiny", "prompt": "Hi"}, headers=headers
+                                ).status_code == 401
+        assert httpx.get(long_server.url + "/v1/models", headers=headers).status_code == 401
+    models = httpx.get(long_server.url + "/v1/models", headers={"Authorization": "Bearer sesame"}).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+BAD = [  # (what, body, status, param)
+    ("malformed JSON", b'{"model": "tiny", ', 400, None),
+    ("not an object", [1, 2], 400, None),
+    ("no model", {"prompt": "Hi"}, 400, "model"),
+    ("an unknown model", {"model": "gpt-5", "prompt": "Hi"}, 404, "model"),
+    ("max_tokens 0", {"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens a string", {"model": "tiny", "prompt": "Hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens past the context", {"model": "tiny", "prompt": "Hi", "max_tokens": 600}, 400, "max_tokens"),
+    ("a temperature of 3", {"model": "tiny", "prompt": "Hi", "temperature": 3}, 400, "temperature"),
+    ("top_p 0", {"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    ("a seed past 64 bits", {"model": "tiny", "prompt": "Hi", "seed": 2**70}, 400, "seed"),
+    ("an empty stop string", {"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop"),
+    ("n = 2", {"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n"),
+    ("logprobs", {"model": "tiny", "prompt": "Hi", "logprobs": 5}, 400, "logprobs"),
+    ("an unknown field", {"model": "tiny", "prompt": "Hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("an empty prompt", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("token ids past the vocabulary", {"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
+    ("two prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("stream_options without stream", {"model": "tiny", "prompt": "Hi", "stream_options": {}}, 400,
+     "stream_options"),
+]
+BAD_CHAT = [
+    ("empty messages", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("a message without a role", {"model": "tiny", "messages": [{"content": "Hi"}]}, 400, "messages"),
+    ("an image part", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages"),
+    ("max_completion_tokens -1", {"model": "tiny", "messages": HELLO, "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    ("an unknown template option", {"model": "tiny", "messages": HELLO, "chat_template_kwargs": {"x": 1}}, 400,
+     "chat_template_kwargs"),
+    ("tools", {"model": "tiny", "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("what, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_completion_request_gets_its_status_and_the_next_good_one_succeeds(server, what, body, status, param):
+    r = server.post("/v1/completions", body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("what, body, status, param", BAD_CHAT, ids=[b[0] for b in BAD_CHAT])
+def test_a_bad_chat_request_gets_its_status(server, what, body, status, param):
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_body_over_the_size_limit_gets_413(server):
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": "x" * (5 * 2**20)})
+    assert r.status_code == 413
+
+
+def test_a_stop_string_ends_the_answer_before_it(server, alone):
+    text, _ = alone("The quick brown fox", 40)
+    stop = text[10:13]
+    cut = text[:text.index(stop)]
+    r = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=40, temperature=0,
+                                         stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=40,
+                                                temperature=0, stop=stop, stream=True,
+                                                extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    assert wait_until_idle(server)
+
+
+def test_a_client_that_reads_slowly_does_not_hold_up_the_others(server, alone):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}):
+        t = time.time()  # not reading that stream at all
+        r = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=20,
+                                             temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == alone("The quick brown fox", 20)[0] and time.time() - t < 30
+    assert wait_until_idle(server)
+
+
+def test_sampling_settings_and_seed_reproduce_and_thinking_can_be_turned_off(server):
+    ask = lambda seed: server.client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=12, temperature=0.8, top_p=0.9, seed=seed,
+        extra_body={"ignore_eos": True, "top_k": 50, "repetition_penalty": 1.2}).choices[0].message.content
+    assert ask(7) == ask(7)
+    think = server.client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2)
+    no_think = server.client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2,
+                                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert no_think.usage.prompt_tokens > think.usage.prompt_tokens  # the template's empty <think></think>
+
+
+# ---- the text side, without a server -------------------------------------------------------------------------
+def test_reasoning_goes_to_reasoning_content_and_the_answer_to_content(tok):
+    think = tok.tok.token_to_id("<think>"), tok.tok.token_to_id("</think>")
+    ids = [think[0]] + tok.encode("hello world", False) + [think[1]] + tok.encode("The answer is 5.", False)
+    out = srv.Output(tok, set(tok.eos_ids), [], think, reasoning=False)
+    pieces = [out.add([t], finished=False, max_tokens=100) for t in ids] + [out.add([], True, max_tokens=100)]
+    assert out.text == {"reasoning_content": "hello world", "content": "The answer is 5."}
+    for part in out.text:  # streamed, the pieces add up to the same
+        assert "".join(p.get(part, "") for p in pieces) == out.text[part]
+    opened = srv.Output(tok, set(), [], think, reasoning=True)  # a template that opened <think> (DeepSeek-R1)
+    opened.add(tok.encode("hmm", False) + [think[1]] + tok.encode("yes", False), finished=True, max_tokens=100)
+    assert opened.text == {"reasoning_content": "hmm", "content": "yes"} and opened.finish == "stop"
+
+
+def test_text_stream_pieces_add_up_to_decoding_everything(tok):
+    ids = tok.encode("Hello world, hello tinyflow! The quick brown fox jumps over the lazy dog.", False)
+    stream = srv.TextStream(tok)
+    assert "".join(stream.add([t]) for t in ids) + stream.add([], last=True) == tok.decode(ids)
+
+
+def test_a_stop_string_split_across_tokens_is_held_back_until_it_is_seen(tok):
+    ids = tok.encode("What is 2 + 3? The answer is 5.", False)
+    out = srv.Output(tok, set(), ["answer"], None, reasoning=False)
+    given = "".join(out.add([t], finished=False, max_tokens=100).get("content", "") for t in ids)
+    assert given == "What is 2 + 3? The " and out.finish == "stop"
+    assert out.tokens < len(ids)  # the tokens after the stop string are not counted
+
+
+def test_the_load_generator_reports_every_request_completed(server, tmp_path):
+    out = tmp_path / "serve.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench.py"), "serve", "--url", server.url, "--requests", "12",
+                          "--rate", "50", "--prompt-len", "8", "--new-tokens", "20", "--vocab", "300", "--json",
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert (row["requests"], row["completed"], row["new_tokens"]) == (12, 12, 20) and row["tokens_per_s"] > 0
+    assert row["ttft_ms_p50_p99"] and row["itl_ms_p50_p99"]
