@@ -284,10 +284,12 @@ class KVCache:
             if policy is None or policy.keeps_queries else 0
         return cfg.n_layers * batch * (cfg.n_kv_heads * (slots * per_slot + per_row) + queries)
 
-    def reset(self):
+    def reset(self, rows=None):
+        """Empty the cache, or only rows `rows` [n] (a server's free rows, which keep decoding junk)."""
+        at = slice(None) if rows is None else rows
         for layer in self.layers:
-            layer.pos.fill_(-1)
-            layer.next_slot.zero_()
+            layer.pos[at] = -1
+            layer.next_slot[at] = 0
 
     # ---- decode: one token per sequence -------------------------------------------------------------
     def decode(self, layer: Layer, q, k, v, positions):

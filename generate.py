@@ -564,12 +564,13 @@ class Engine:
         stopped = feed.stopped if feed else lambda p: False
         done = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos[p] or len(outs[p]) == limits[p] or stopped(p))
 
-        def release(b, p):  # prompt p is done: hand its output over and free its row
-            serving[b] = None
+        def release(b, p):  # prompt p is done: hand its output over and free its row (if it had one)
+            if b is not None:
+                serving[b] = None
             if on_done:
                 on_done(p, outs[p])
             if feed:  # a server runs for ever: forget what it has handed over
-                prompts[p] = outs[p] = sampling[p] = None
+                prompts[p] = outs[p] = sampling[p] = eos[p] = None
 
         steps_read = 0
         while True:
@@ -582,6 +583,12 @@ class Engine:
                     for values, value in ((prompts, prompt), (limits, limit), (eos, ends), (sampling, sample_with),
                                           (seed, sample_seed), (outs, [])):
                         values.append(value)
+                for p in [p for p in waiting if stopped(p)]:  # gone before they got a row: no prefill
+                    waiting.remove(p)
+                    release(None, p)
+                free = [b for b in range(B) if serving[b] is None]
+                if free:  # a free row keeps decoding junk: without this, a full cache's row would fill up
+                    self.cache.reset(torch.tensor(free, device=self.device))
             while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
                 rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
                 taken = [waiting.popleft() for _ in rows]

@@ -12,6 +12,7 @@ never block that thread: each request's tokens wait in its own queue until its c
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not),
 GET /v1/models, GET /health. Errors are OpenAI's error JSON with a 4xx status; the server keeps serving.
 """
+import argparse
 import asyncio
 import json
 import math
@@ -69,9 +70,14 @@ class Job:
     sent: int = 0  # ids handed to the handler so far (engine thread only)
     stop: bool = False  # set by the handler: the client left, or a stop string ended the text
 
-    def push(self, ids: list[int], finished: bool):
-        new, self.sent = list(ids[self.sent:]), len(ids)
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (new, finished))
+    def push(self, ids: list[int] | None, finished: bool):
+        """Hand the ids not yet handed over (None: the engine failed) to the handler."""
+        new = None if ids is None else list(ids[self.sent:])
+        self.sent = self.sent if ids is None else len(ids)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (new, finished))
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+            pass
 
 
 class Feed:
@@ -118,9 +124,11 @@ class Feed:
                 jobs.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        left = [job for job in jobs if job.stop]  # clients that left while waiting
+        left = [job for job in jobs if job.stop or self.closing]  # clients gone while waiting, or shutting down
         self._moved(-len(left), 0)
-        jobs = [job for job in jobs if not job.stop]
+        for job in left:
+            job.push([], finished=True)
+        jobs = [job for job in jobs if job not in left]
         for job in jobs:
             self.jobs[self.count] = job
             self.count += 1
@@ -209,7 +217,8 @@ class Output:
     def _new_text(self) -> dict:
         new = {}
         for part, text in self.text.items():
-            hold = 0 if self.finish else max((len(s) - 1 for s in self.stop), default=0)
+            # only the part being written can still grow into a stop string
+            hold = 0 if self.finish or part != self.part else max((len(s) - 1 for s in self.stop), default=0)
             end = max(self.shown[part], len(text) - hold)
             if end > self.shown[part]:
                 new[part], self.shown[part] = text[self.shown[part]:end], end
@@ -272,6 +281,7 @@ class Server:
         ends = vocab.get("<think>"), vocab.get("</think>")
         self.thinking = ends if None not in ends else None
         self.failed = None  # the engine loop's exception, if it died
+        self.uvicorn = None  # the HTTP server, which a failed engine loop stops
         self.thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     def _engine_loop(self):
@@ -279,16 +289,25 @@ class Server:
             for _ in self.engine.serve(self.feed, self.rows, self.slots, self.policy,
                                        self.args.prompt_compression or "snapkv"):
                 pass
-        except BaseException as e:  # every waiting handler is told; /health reports it
+        except BaseException as e:  # every handler is told, and the server stops (exit status 1)
             self.failed = e
             self.feed.closing = True
-            for job in list(self.feed.jobs.values()):
-                job.loop.call_soon_threadsafe(job.events.put_nowait, (None, True))
-            raise
+            jobs = list(self.feed.jobs.values())  # decoding, or waiting in the engine's own queue
+            while not self.feed.inbox.empty():  # and waiting to be handed over
+                jobs.append(self.feed.inbox.get())
+            for job in jobs:
+                job.push(None, finished=True)
+            print(f"error: the engine loop failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if self.uvicorn:
+                self.uvicorn.should_exit = True
+
+    def authorized(self, request) -> bool:
+        given = request.headers.get("authorization", "")
+        return not self.args.api_key or secrets.compare_digest(given.encode(), f"Bearer {self.args.api_key}".encode())
 
     # ---- the parts of a request --------------------------------------------------------------------------
     async def read_body(self, request) -> dict:
-        if self.args.api_key and request.headers.get("authorization") != f"Bearer {self.args.api_key}":
+        if not self.authorized(request):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
         size = request.headers.get("content-length")
         if size and size.isdigit() and int(size) > self.args.max_body_bytes:
@@ -321,6 +340,8 @@ class Server:
                                 f"no room for an answer", "messages" if "messages" in body else "prompt")
         count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1
         max_tokens = take(body, "max_completion_tokens", count, "an integer >= 1")
+        if max_tokens is not None and body.get("max_tokens") not in (None, max_tokens):
+            raise ApiError(400, "'max_tokens' and 'max_completion_tokens' disagree: give one of them", "max_tokens")
         max_tokens = take(body, "max_tokens", count, "an integer >= 1", max_tokens)
         if max_tokens is None:
             max_tokens = room
@@ -434,7 +455,7 @@ class Server:
         return await reply.whole(request)
 
     async def models(self, request):
-        if self.args.api_key and request.headers.get("authorization") != f"Bearer {self.args.api_key}":
+        if not self.authorized(request):
             return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'").response()
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": STARTED,
                                                           "owned_by": "tinyflow", "max_model_len": self.context}]})
@@ -451,6 +472,10 @@ class Server:
 STARTED = int(time.time())
 
 
+class EngineFailed(Exception):
+    pass
+
+
 class Reply:
     """The response to one request: OpenAI's objects, whole or as server-sent-event chunks."""
 
@@ -464,7 +489,7 @@ class Reply:
         while True:
             ids, finished = await self.job.events.get()
             if ids is None:
-                raise RuntimeError("the engine loop stopped")
+                raise EngineFailed("the engine loop failed; the server is stopping")
             new = self.out.add(ids, finished, self.job.max_tokens)
             if self.out.finish and not finished:
                 self.job.stop = True  # a stop string: the engine frees the row at its next sync
@@ -481,6 +506,8 @@ class Reply:
         try:
             async for _ in self.events():
                 pass
+        except EngineFailed as e:
+            return ApiError(500, str(e)).response()
         finally:
             watch.cancel()
             self.job.stop = True
@@ -523,9 +550,12 @@ class Reply:
                     yield chunk([{"index": 0, **end, "logprobs": None, "finish_reason": self.out.finish}])
             if include_usage:
                 yield chunk([], usage=self.usage())
-            yield "data: [DONE]\n\n"
+        except EngineFailed as e:  # the headers are gone: the error travels as an event, as OpenAI's do
+            yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error", "param": None,
+                                                   "code": None}}) + "\n\n"
         finally:  # also when the client disconnects mid-stream (Starlette cancels this generator)
             self.job.stop = True
+        yield "data: [DONE]\n\n"
 
 
 def app(server: Server):
@@ -564,7 +594,7 @@ def parse_args(argv=None):
     p.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20, help="larger request bodies get 413")
     p.add_argument("--api-key", default=None, help="if set, every request must send 'Authorization: Bearer KEY'")
     p.add_argument("--host", default="127.0.0.1", help="127.0.0.1: this machine only; 0.0.0.0: every interface")
-    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--allow-long-context", action="store_true",
                    help="let requests run past the model's max_position_embeddings")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -572,6 +602,12 @@ def parse_args(argv=None):
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     return p.parse_args(argv)
+
+
+def port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port number from 1 to 65535, got {text!r}")
+    return int(text)
 
 
 def build(args) -> Server:
@@ -609,11 +645,30 @@ def main(argv=None):
         sys.exit(130)
     print(f"serving {server.name} on http://{args.host}:{args.port}/v1 ({server.rows} rows, {server.policy.name}, "
           f"{server.slots} slots)", file=sys.stderr, flush=True)
+    server.uvicorn = Uvicorn(uvicorn.Config(app(server), host=args.host, port=args.port, log_level="warning",
+                                            timeout_graceful_shutdown=5), server.feed)
     try:
-        uvicorn.run(app(server), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        server.uvicorn.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
+        pass
     finally:
         server.feed.closing = True
         server.thread.join(timeout=10)
+    if server.failed:
+        sys.exit(1)
+
+
+class Uvicorn(uvicorn.Server if Starlette else object):
+    """uvicorn's server, telling the engine at the start of a shutdown (Ctrl-C): it ends every request at its
+    next sync, so that open streams finish with their last chunk inside the grace period."""
+
+    def __init__(self, config, feed: Feed):
+        super().__init__(config)
+        self.feed = feed
+
+    def handle_exit(self, sig, frame):
+        self.feed.closing = True
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

@@ -233,6 +233,8 @@ BAD_CHAT = [
      "messages"),
     ("max_completion_tokens -1", {"model": "tiny", "messages": HELLO, "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
+    ("max_tokens and max_completion_tokens disagreeing",
+     {"model": "tiny", "messages": HELLO, "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_tokens"),
     ("an unknown template option", {"model": "tiny", "messages": HELLO, "chat_template_kwargs": {"x": 1}}, 400,
      "chat_template_kwargs"),
     ("tools", {"model": "tiny", "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
@@ -330,4 +332,44 @@ def test_the_load_generator_reports_every_request_completed(server, tmp_path):
     assert run.returncode == 0, run.stderr
     row = json.loads(out.read_text())["rows"][0]
     assert (row["requests"], row["completed"], row["new_tokens"]) == (12, 12, 20) and row["tokens_per_s"] > 0
-    assert row["ttft_ms_p50_p99"] and row["itl_ms_p50_p99"]
+    assert row["ttft_ms_p50_p99"] and row["tpot_ms_p50_p99"]
+
+
+def test_ctrl_c_with_streams_open_ends_them_and_exits_cleanly(model_dir):
+    s = Running(model_dir, "--max-batch", "2", "--served-model-name", "tiny", "--max-model-len", "100000",
+                "--allow-long-context", "--budget", "64")
+    streams = [httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "Hello", "max_tokens": 90000, "ignore_eos": True, "stream": True})
+        for _ in range(4)]  # two decoding, two waiting
+    lines = [r.__enter__().iter_lines() for r in streams]
+    next(lines[0]), next(lines[1])
+    assert s.stop() == 0
+    output = s.proc.stdout.read()
+    assert "Traceback" not in output, output
+    assert [[line for line in x if line][-1] for x in lines[:2]] == ["data: [DONE]"] * 2  # each got its end
+
+
+def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
+    """A free row keeps decoding junk; unless its cache is emptied at every sync, a full cache's row fills
+    up and every step reads all of its slots."""
+    import generate
+    from cache import resolve_policy
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    engine = generate.Engine(model, compile=False)
+
+    class Feed:  # a short request and a long one, then the end
+        given, ended = False, []
+
+        def arrivals(self, idle):
+            if not self.given:
+                self.given = True
+                return [([1, 2, 3], 2, set(), generate.Sampling(), 0), ([1, 2], 100, set(), generate.Sampling(), 0)]
+            return None if idle else []
+        stopped = lambda self, i: False
+        progress = lambda self, i, ids: None
+        finished = lambda self, i, ids: self.ended.append(len(ids))
+    feed, filled = Feed(), []
+    for _ in engine.serve(feed, 2, 300, resolve_policy(None, None)):
+        filled.append(engine.cache.layers[0].next_slot[0, 0].item())  # the short request's row
+    assert feed.ended == [2, 100] and len(filled) >= 6
+    assert max(filled[1:]) <= engine.sync_every  # emptied at every sync, not filling with junk
