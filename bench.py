@@ -29,9 +29,13 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
+
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no traceback (main() restores Ctrl-C)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
 
 import torch
 import torch.nn.functional as F
@@ -759,6 +763,7 @@ def benchmark(args):
 
 
 def main():
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     p = parser()
     args = p.parse_args()
     try:

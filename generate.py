@@ -13,10 +13,14 @@ import argparse
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no traceback (main() restores Ctrl-C)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
 
 import torch
 
@@ -792,6 +796,24 @@ def parse_args(argv=None):
                    help="wrap the prompt in the model's chat template (default: when it has one)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="let Qwen3 think before answering (its chat template's enable_thinking)")
+    add_cache_options(p)
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens generated at most")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let prompt + new tokens run past the model's max_position_embeddings")
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default: generation_config.json)")
+    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json")
+    p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of ids already seen (transformers' definition); default: "
+                        "generation_config.json, else 1 (none)")
+    p.add_argument("--batch-size", type=batch_size, default=1,
+                   help="sequences generated together, or 'max': as many as fit in GPU memory")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    return p.parse_args(argv)
+
+
+def add_cache_options(p: Parser):
+    """The model, cache and device options that generate.py and server.py share."""
     p.add_argument("--budget", type=positive_int, default=None,
                    help="KV slots per sequence and layer (default: keep every token)")
     p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
@@ -807,23 +829,10 @@ def parse_args(argv=None):
     p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
                    help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 and a scale per token "
                         "and KV head: half the bytes of bf16)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens generated at most")
-    p.add_argument("--allow-long-context", action="store_true",
-                   help="let prompt + new tokens run past the model's max_position_embeddings")
-    p.add_argument("--temperature", type=float, default=None, help="0: greedy (default: generation_config.json)")
-    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json")
-    p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divide the logits of ids already seen (transformers' definition); default: "
-                        "generation_config.json, else 1 (none)")
-    p.add_argument("--batch-size", type=batch_size, default=1,
-                   help="sequences generated together, or 'max': as many as fit in GPU memory")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
-    return p.parse_args(argv)
 
 
 def check_policy_args(args):
@@ -912,6 +921,7 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
 
 
 def main(argv=None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
     try:
         run(args)

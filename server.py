@@ -16,16 +16,21 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import queue
 import random
 import secrets
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from cache import KV_DTYPES, POLICIES, PROMPT_RULES, resolve_policy
-from generate import Engine, Parser, Sampling, check_policy_args, non_negative_int, pick_device, positive_int
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no traceback (main() restores Ctrl-C)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
+
+from cache import KV_DTYPES, resolve_policy
+from generate import Engine, Parser, Sampling, add_cache_options, check_policy_args, pick_device, positive_int
 from model import load
 
 try:
@@ -574,16 +579,7 @@ def parse_args(argv=None):
     p = Parser(prog="server.py", description="An OpenAI-compatible server with LongFlow KV-cache compression.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
-    p.add_argument("--budget", type=positive_int, default=None,
-                   help="KV slots per sequence and layer (default: keep every token)")
-    p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
-                   help=f"the eviction rule, one of {', '.join(POLICIES)} (default: longflow with --budget, "
-                        f"full without)")
-    p.add_argument("--sinks", type=non_negative_int, default=None, help="first tokens never evicted")
-    p.add_argument("--window", type=non_negative_int, default=None, help="recent tokens never evicted")
-    p.add_argument("--prompt-compression", default=None, choices=PROMPT_RULES,
-                   help="how a prompt longer than --budget is cut (default: snapkv)")
-    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES), help="auto (the model's dtype) or fp8")
+    add_cache_options(p)
     p.add_argument("--max-batch", type=positive_int, default=None,
                    help="rows decoded together (default: as many as fit in GPU memory; 8 on the CPU)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
@@ -597,10 +593,6 @@ def parse_args(argv=None):
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--allow-long-context", action="store_true",
                    help="let requests run past the model's max_position_embeddings")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     return p.parse_args(argv)
 
 
@@ -624,6 +616,7 @@ def build(args) -> Server:
 
 
 def main(argv=None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
     if Starlette is None:
         print("error: the server needs its extra: pip install 'tinyflow[serve]' (starlette, uvicorn)", file=sys.stderr)
