@@ -9,6 +9,7 @@
     python bench.py long-prompt --shape R1-Distill-Llama-8B --prompt-len 131072 --new-tokens 256
     python bench.py hf --shape Qwen3-8B --batch 1 32     # transformers full-KV generate, the baseline
     python bench.py serve --url http://127.0.0.1:8000 --requests 1000 --rate 20   # a running server.py
+    python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8   # random weights as a folder server.py loads
 
 A decode step must read every weight once and every cached K/V once, and multiply each weight by every
 token of the batch: its floor is a roofline, for each part (weights, attention) the larger of bytes / copy
@@ -46,7 +47,7 @@ from cache import KV_DTYPES, POLICIES, KVCache, resolve_policy, unit_key_sum
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import (Engine, Parser, Sampler, State, Stepper, batch_that_fits, non_negative_int, pick_device,
                       positive_int, reader_gone, sync_time)
-from model import Config, empty_model, load
+from model import Config, checkpoint_params, empty_model, load
 
 SHAPES = {
     "Qwen3-0.6B": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -185,6 +186,32 @@ def make_model(args):
     if args.model:
         return load(args.model, args.device, args.dtype)[0]
     return random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype)
+
+
+def save_checkpoint(args, hw, model):
+    """--out: the random weights of --shape as a checkpoint folder (config.json, model.safetensors, and a
+    word-level tokenizer whose tokens are "t0" ... "tN", eos "t0"), so that server.py and generate.py load
+    a real shape exactly as a downloaded model where nothing can be downloaded."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    cfg = dict(SHAPES[args.shape], architectures=[ARCHITECTURES[SHAPES[args.shape]["model_type"]]],
+               max_position_embeddings=40960, eos_token_id=0,
+               torch_dtype="bfloat16")
+    os.makedirs(args.out, exist_ok=True)
+    tensors = {name: t.to("cpu", torch.bfloat16).contiguous() for name, t in checkpoint_params(model).items()}
+    save_file(tensors, os.path.join(args.out, "model.safetensors"))
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg["vocab_size"])}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(args.out, "tokenizer.json"))
+    with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "t0"}, f)
+    finished(dict(workload="checkpoint", shape=args.shape, out=args.out, tensors=len(tensors),
+                  gib=sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30))
+
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
 def weight_bytes(model) -> int:
@@ -580,7 +607,8 @@ def write_json(args, hw: Machine, complete: bool):
 
 
 WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
-             "generate": bench_generate, "long-prompt": bench_long_prompt, "hf": bench_hf, "serve": bench_serve}
+             "generate": bench_generate, "long-prompt": bench_long_prompt, "hf": bench_hf, "serve": bench_serve,
+             "checkpoint": save_checkpoint}
 # The options each workload reads (argparse names). Given to another workload, one would do nothing, so it is
 # refused; --device and --json apply to all.
 READS = {
@@ -592,6 +620,7 @@ READS = {
     "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "hf": {"shape", "batch", "prompt_len", "new_tokens"},
     "serve": {"url", "requests", "rate", "prompt_len", "new_tokens", "api_key", "vocab"},
+    "checkpoint": {"shape", "out"},
 }
 
 
@@ -623,6 +652,7 @@ def parser() -> Parser:
                    help="serve: mean requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--vocab", type=positive_int, default=1000, help="serve: prompt ids are drawn below this")
     p.add_argument("--api-key", default=None, help="serve: the server's --api-key")
+    p.add_argument("--out", default=None, help="checkpoint: the folder to write")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
     return p
@@ -647,6 +677,8 @@ def check_args(args, p: Parser):
     if args.workload == "hf" and importlib.util.find_spec("transformers") is None:
         raise ValueError("the hf workload runs Hugging Face transformers: pip install transformers")
     check_used(args, p)
+    if args.workload == "checkpoint":
+        check_out(args.out)
     if args.profile and args.device.type != "cuda":
         raise ValueError("--profile lists the CUDA kernels of a step and needs a GPU; drop it on the CPU")
     if args.batch is None and (args.workload in ("kernel", "step") or args.device.type != "cuda"):
@@ -707,6 +739,17 @@ def check_long_prompt(prompt_len: int, budget: int):
         raise ValueError(f"half of the {prompt_len}-token prompt: {e}; give a longer --prompt-len") from None
 
 
+def check_out(folder: str | None):
+    """The checkpoint workload writes a new folder (never into one that holds something)."""
+    if not folder:
+        raise ValueError("the checkpoint workload writes a checkpoint folder; give it with --out DIR")
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise ValueError(f"--out {folder} already exists and is not an empty folder; give a new one")
+    parent = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {folder}: cannot create it in {parent}; give a folder in a writable place")
+
+
 def check_writable(option: str, path: str):
     """A file can be written at path (found now, not once the benchmark has run)."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -744,7 +787,7 @@ def benchmark(args):
     """Set up (the model first: a bad --model fails before anything is measured), measure, write."""
     model = make_model(args) if args.workload not in ("kernel", "hf", "serve") else None
     hw = None
-    if args.workload != "serve":  # the server's machine is measured by the server's own runs
+    if args.workload not in ("serve", "checkpoint"):  # the server's machine is measured by the server's own runs
         hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
         print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
               f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.3g} TFLOP/s, "

@@ -120,8 +120,12 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
                  id="plot-over-json"),
     pytest.param("throughput --device cpu --model {tmp}/no-such-model", "does not exist", id="model-missing"),
     pytest.param(f"{SMALL} --model {{tmp}}", "--model and --shape both", id="model-and-shape"),
+    pytest.param("checkpoint --shape tiny --device cpu", "give it with --out DIR", id="checkpoint-without-out"),
+    pytest.param("checkpoint --shape tiny --device cpu --out {tmp}", "is not an empty folder",
+                 id="checkpoint-over-a-folder"),
 ])
 def test_bench_refuses_bad_input_in_one_line_before_running(tmp_path, argv, message):
+    (tmp_path / "something").write_text("")
     r = bench(*argv.format(tmp=tmp_path).split())
     assert r.returncode == 2, r.stderr
     assert r.stdout == ""  # refused before the benchmark started (its first line names the device)
@@ -171,3 +175,18 @@ def test_the_floor_is_a_roofline_of_bytes_and_flops():
     assert bench.step_floor(timer, 40, memory_bound) == (pytest.approx(n_bytes / 1e9), [])
     compute_bound = bench.Machine(bandwidth=1e30, matmul_rate=1e9)
     assert bench.step_floor(timer, 40, compute_bound) == (pytest.approx(flops / 1e9), ["weights", "attention"])
+
+
+def test_bench_checkpoint_writes_the_random_weights_as_a_folder_that_loads_exactly(tmp_path):
+    """The folder server.py serves on a machine that cannot download: its weights are random_model's (stored
+    in bf16, so compared after the same rounding) and its tokenizer reads "tK" as token id K."""
+    import bench as bench_module  # the module; bench() runs it as a command
+    import tinyflow
+    r = bench("checkpoint", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "ckpt"))
+    assert r.returncode == 0, r.stderr
+    llm = tinyflow.LLM(str(tmp_path / "ckpt"), device="cpu", compile=False)
+    want = bench_module.random_model(bench_module.Config.from_dict(bench_module.SHAPES["tiny"]), torch.device("cpu"), torch.float32)
+    got = dict(llm.model.named_parameters())
+    for name, p in want.named_parameters():
+        assert torch.equal(got[name], p.to(torch.bfloat16).float()), name
+    assert llm.tokenizer.encode("t5 t17 t0") == [5, 17, 0]

@@ -147,6 +147,21 @@ def test_sixteen_concurrent_clients_on_four_rows_each_get_their_own_answer(serve
         assert r.usage.completion_tokens == lengths[i]
 
 
+def test_an_fp8_server_answers_what_an_fp8_llm_generate_gives_alone(model_dir):
+    """--kv-dtype fp8 reaches the engine (on a CPU through the reference's dequantize-then-attend)."""
+    llm = tinyflow.LLM(str(model_dir), device="cpu", compile=False, budget=40, kv_dtype="fp8")
+    want = llm.generate(["The quick brown fox"], max_new_tokens=60, ignore_eos=True, batch_size=1)[0].text
+    assert want != tinyflow.LLM(str(model_dir), device="cpu", compile=False, budget=40).generate(
+        ["The quick brown fox"], max_new_tokens=60, ignore_eos=True, batch_size=1)[0].text, "FP8 changes no token"
+    fp8 = Running(model_dir, "--max-batch", "2", "--budget", "40", "--kv-dtype", "fp8")
+    try:
+        r = fp8.client.completions.create(model=str(model_dir), prompt="The quick brown fox", max_tokens=60,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+    finally:
+        assert fp8.stop() == 0
+
+
 def wait_until_idle(server, seconds=10.0):
     deadline = time.time() + seconds
     while server.active() and time.time() < deadline:
@@ -265,10 +280,10 @@ def test_a_stop_string_ends_the_answer_before_it(server, alone):
     text, _ = alone("The quick brown fox", 40)
     stop = text[10:13]
     cut = text[:text.index(stop)]
-    r = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=40, temperature=0,
+    r = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=60, temperature=0,
                                          stop=[stop], extra_body={"ignore_eos": True})
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    streamed = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=40,
+    streamed = server.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=60,
                                                 temperature=0, stop=stop, stream=True,
                                                 extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == cut
