@@ -62,7 +62,7 @@ def dequantize(bits, scale, dtype=torch.float32):
 
 
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                         acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None):
+                         acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin.
 
     per_head: one decision per KV head (mean over its query group) instead of one per layer (mean over
@@ -76,6 +76,9 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     vnorm [B, H_kv, S] fp32: ||v_i||_1 of every slot, if the caller keeps it (computed from v otherwise).
     k_scale, v_scale [B, H_kv, S] fp32: an FP8 cache (k, v the uint8 bits of e4m3 values; see quantize),
     attended and scored as the values it holds.
+    partial: return the score itself in place of evict, before protection, empty slots and acc: [B, S] per
+    layer (the mean over these heads: under tensor parallel the ranks' parts are averaged, then decided on),
+    [B, H_kv, S] per head.
     """
     B, H_q, D = q.shape
     H_kv = k.shape[1]
@@ -99,6 +102,8 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     else:
         score = score.mean((1, 2))[:, None]  # [B, 1, S]
         empty, protected = empty.any(1, keepdim=True), protected.any(1, keepdim=True)
+    if partial:
+        return out, score if per_head else score[:, 0]
     if acc is not None:
         acc += score
         score = acc if per_head else acc[:, :1]
@@ -257,12 +262,13 @@ def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV: tl.cons
 
 
 @triton.jit
-def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, chunk,
+def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, chunk,
                  S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
                  H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr,
                  NS_PAD: tl.constexpr, CHUNK: tl.constexpr, PER_HEAD: tl.constexpr, PROTECT: tl.constexpr,
-                 HAS_ACC: tl.constexpr):
-    """Score slots chunk*CHUNK .. +CHUNK of row b and lower key[b, kv] to the chunk's best (score, slot)."""
+                 HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr):
+    """Score slots chunk*CHUNK .. +CHUNK of row b and lower key[b, kv] to the chunk's best (score, slot);
+    with PARTIAL (per layer), store the scores to part [B, S] instead, for the ranks to decide together."""
     kvs = tl.arange(0, KV_POW2)
     kv = kvs[:, None]  # [KV, 1]
     g = tl.arange(0, G_POW2)[None, :]  # [1, G]
@@ -278,6 +284,19 @@ def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,
     if not PER_HEAD:  # one decision per layer: a single row, which broadcasting hands to every KV head
         score = tl.sum(score, axis=0, keep_dims=True) / H_KV  # [1, CHUNK], the mean over all heads
         empty = tl.max(empty.to(tl.int32), axis=0, keep_dims=True) > 0
+    if PARTIAL:
+        tl.store(part_ptr + b * S + slots, score, mask=slots < S)
+    else:
+        _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, S, n_split,
+                   n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s, H_KV, NS_PAD, PER_HEAD, PROTECT, HAS_ACC)
+
+
+@triton.jit
+def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, S, n_split,
+               n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s, H_KV: tl.constexpr, NS_PAD: tl.constexpr,
+               PER_HEAD: tl.constexpr, PROTECT: tl.constexpr, HAS_ACC: tl.constexpr):
+    """The chunk's scores [KV or 1, CHUNK] with acc added, protection and empty slots applied, packed with
+    their slots; key[b, kv] is lowered to the chunk's minimum."""
     if HAS_ACC:  # add into every KV head's row of acc; compare the accumulated score (column 0 per layer)
         a_ptrs = acc_ptr + b * sa_b + kv * sa_h + slots * sa_s
         score += tl.load(a_ptrs, mask=ok, other=0.0)  # [KV, CHUNK]
@@ -307,19 +326,20 @@ def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,
 def _finish_kernel(
     m_ptr, l_ptr, o_ptr, out_ptr,  # split partials as in _attend_kernel; out [B, H_q, D]
     logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,  # [B, H_q, S], [B, H_kv, n_split], pos, acc [B, H_kv, S]
+    part_ptr,  # [B, S] f32 with PARTIAL: the per-layer scores themselves
     S, n_split, n_chunks, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
     H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr,
     NS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, PER_HEAD: tl.constexpr,
-    PROTECT: tl.constexpr, HAS_ACC: tl.constexpr,
+    PROTECT: tl.constexpr, HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """Program (b, c): for c < n_chunks, score chunk c of row b's slots (all KV heads); for the H_kv programs
     after those (when split), merge the split partials of KV head c - n_chunks into out. One launch for both."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if c < n_chunks:
-        _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, c,
+        _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, c,
                      S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
-                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, HAS_ACC)
+                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, HAS_ACC, PARTIAL)
     elif SPLIT:
         _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, c - n_chunks, n_split, H_KV, G, G_POW2, D, NS_PAD)
 
@@ -347,7 +367,7 @@ def _chunk_size(B: int, S: int, device: torch.device) -> int:
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
                          window: int, select: bool, value_norm: bool, acc: Optional[Tensor],
                          limit: Optional[Tensor], vnorm: Optional[Tensor], k_scale: Optional[Tensor],
-                         v_scale: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                         v_scale: Optional[Tensor], partial: bool) -> tuple[Tensor, Tensor]:
     # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which torch.compile
     # functionalises like any mutated input; None simply means nothing is mutated.
     # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
@@ -361,6 +381,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     G = H_q // H_kv
     assert H_q % H_kv == 0 and D == triton.next_power_of_2(D) and pos.shape == (B, H_kv, S)
     assert limit is None or not select, "limit is for caches without selection (they fill in order)"
+    assert not partial or (select and not per_head and acc is None), "partial scores are per layer, before acc"
     BLOCK_S = 64 if D <= 128 else 32
     n_blocks = triton.cdiv(S, BLOCK_S)
     n_split = _split_count(B * H_kv, n_blocks, q.device)
@@ -377,6 +398,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     logits = torch.empty(B, H_q, S, **f32) if select else unused  # (+ log ||v||_1); -inf for empty slots
     newest = torch.empty(B, H_kv, n_split, device=q.device, dtype=torch.int32) if select else unused
     key = torch.empty(B, H_kv, device=q.device, dtype=torch.int64)  # packed (score, slot), or -1
+    part = torch.empty(B, S, **f32) if partial else unused
     value_norm = select and value_norm
     fp8 = k_scale is not None
     if value_norm and vnorm is None:  # an extra pass over V: the cache keeps ||v||_1 to avoid it
@@ -395,20 +417,24 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         CHUNK = _chunk_size(B, S, q.device)
         n_chunks = triton.cdiv(S, CHUNK) if select else 0
         torch.library.wrap_triton(_finish_kernel)[(B, n_chunks + (H_kv if split else 0))](
-            m, l, o, out, logits, newest, pos, unused if acc is None else acc, key,
+            m, l, o, out, logits, newest, pos, unused if acc is None else acc, key, part,
             S, n_split, n_chunks, n_sink, window, *pos.stride(), *(acc.stride() if acc is not None else (0,) * 3),
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
-            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, **FINISH_LAUNCH[split])
+            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, PARTIAL=partial, **FINISH_LAUNCH[split])
+    if partial:
+        return out, part
     return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
 
 
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                     acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None):
+                     acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
     if not HAS_TRITON:
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
     if (k_scale is None) != (v_scale is None) or (k_scale is not None and k.dtype != torch.uint8):
         raise ValueError("an FP8 cache gives k and v as uint8 e4m3 bits with both k_scale and v_scale")
+    if partial and (per_head or acc is not None):
+        raise ValueError("partial scores are per layer (per_head=False) and without acc")
     return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
-                                               limit, vnorm, k_scale, v_scale)
+                                               limit, vnorm, k_scale, v_scale, partial)

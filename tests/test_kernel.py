@@ -104,6 +104,33 @@ def test_accumulated_scores_match_reference_over_steps(per_head):
     assert acc_ref.sum() > 0
 
 
+@pytest.mark.parametrize("value_norm", [True, False], ids=["longflow", "tova"])
+@pytest.mark.parametrize("B, H_q, H_kv, D, S, n_empty", [(2, 8, 2, 64, 100, 5), (1, 8, 1, 128, 333, 20)])
+def test_partial_scores_are_what_the_decision_is_taken_on(B, H_q, H_kv, D, S, n_empty, value_norm):
+    """partial=True (tensor parallel, per layer) gives the score itself, the mean over these heads, before any
+    mask: the kernel's equals the reference's, and masked as the kernel masks it, its argmin is the slot the
+    kernel picks when it decides alone."""
+    args = make_inputs(B, H_q, H_kv, S, D, n_empty)
+    options = dict(value_norm=value_norm, n_sink=4, window=8)
+    out, part = kernel.decode_attention(*args, partial=True, **options)
+    want_out, want_part = kernel.decode_attention_ref(*args, partial=True, **options)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(part, want_part, atol=1e-7, rtol=1e-5)  # the same sum, in another order
+    pos = args[3]
+    assert part.shape == (B, S) and (part[(pos < 0).all(1)] == 0).all()  # a slot empty in every head scores 0
+    masked = want_part.masked_fill(kernel.protected_mask(pos, 4, 8).any(1), math.inf).masked_fill((pos < 0).any(1), -math.inf)
+    _, evict = kernel.decode_attention(*args, **options)
+    assert torch.equal(evict, masked.argmin(-1)[:, None].expand(B, H_kv))
+
+
+def test_partial_scores_are_refused_per_head_and_with_acc():
+    args = make_inputs(1, 4, 2, 40, 64)
+    with pytest.raises(ValueError, match="per layer"):
+        kernel.decode_attention(*args, per_head=True, partial=True)
+    with pytest.raises(ValueError, match="without acc"):
+        kernel.decode_attention(*args, acc=torch.zeros(1, 2, 40, device=DEVICE), partial=True)
+
+
 def test_split_and_unsplit_launches_agree(monkeypatch):
     args = make_inputs(1, 8, 2, 333, 64, n_empty=7)
     assert kernel._split_count(2, 6, torch.device(DEVICE)) > 1  # 6 blocks over more than one program
