@@ -76,10 +76,12 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     vnorm [B, H_kv, S] fp32: ||v_i||_1 of every slot, if the caller keeps it (computed from v otherwise).
     k_scale, v_scale [B, H_kv, S] fp32: an FP8 cache (k, v the uint8 bits of e4m3 values; see quantize),
     attended and scored as the values it holds.
-    partial: return the score itself in place of evict, before protection, empty slots and acc: [B, S] per
-    layer (the mean over these heads: under tensor parallel the ranks' parts are averaged, then decided on),
-    [B, H_kv, S] per head.
+    partial: return the score itself in place of evict, before protection and empty slots: [B, S] per layer
+    (the mean over these heads: under tensor parallel the ranks' parts are averaged, then decided on),
+    [B, H_kv, S] per head (the reference only: the kernel gives the per-layer one); no acc, and select.
     """
+    if partial and (acc is not None or not select):
+        raise ValueError("partial scores are this step's (no acc) and need select")
     B, H_q, D = q.shape
     H_kv = k.shape[1]
     if k_scale is not None:
@@ -434,7 +436,8 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
     if (k_scale is None) != (v_scale is None) or (k_scale is not None and k.dtype != torch.uint8):
         raise ValueError("an FP8 cache gives k and v as uint8 e4m3 bits with both k_scale and v_scale")
-    if partial and (per_head or acc is not None):
-        raise ValueError("partial scores are per layer (per_head=False) and without acc")
+    if partial and (per_head or acc is not None or not select):
+        raise ValueError("the kernel's partial scores are per layer (per_head=False), of this step (no acc), and "
+                         "need select")
     return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
                                                limit, vnorm, k_scale, v_scale, partial)

@@ -123,12 +123,15 @@ def test_partial_scores_are_what_the_decision_is_taken_on(B, H_q, H_kv, D, S, n_
     assert torch.equal(evict, masked.argmin(-1)[:, None].expand(B, H_kv))
 
 
-def test_partial_scores_are_refused_per_head_and_with_acc():
+def test_partial_scores_are_refused_with_acc_or_without_select_and_by_the_kernel_per_head():
     args = make_inputs(1, 4, 2, 40, 64)
+    acc = torch.zeros(1, 2, 40, device=DEVICE)
+    for fn in (kernel.decode_attention, kernel.decode_attention_ref):
+        for options in (dict(acc=acc), dict(select=False)):
+            with pytest.raises(ValueError, match="no acc"):
+                fn(*args, partial=True, **options)
     with pytest.raises(ValueError, match="per layer"):
         kernel.decode_attention(*args, per_head=True, partial=True)
-    with pytest.raises(ValueError, match="without acc"):
-        kernel.decode_attention(*args, acc=torch.zeros(1, 2, 40, device=DEVICE), partial=True)
 
 
 def test_split_and_unsplit_launches_agree(monkeypatch):
