@@ -46,8 +46,10 @@ import kernel
 from cache import KV_DTYPES, POLICIES, KVCache, resolve_policy, unit_key_sum
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import (Engine, Parser, Sampler, State, Stepper, batch_that_fits, non_negative_int, pick_device,
-                      positive_int, reader_gone, sync_time)
+                      positive_int, reader_gone, say, sync_time)
+import parallel
 from model import Config, checkpoint_params, empty_model, load
+from parallel import SINGLE, Group
 
 SHAPES = {
     "Qwen3-0.6B": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -173,9 +175,10 @@ def bench_kernel(args, hw: Machine, _):
 
 
 # ---- the decode step at a given cache fill --------------------------------------------------------------
-def random_model(cfg: Config, device, dtype, seed: int = 0):
-    """Random weights of a real shape, for benchmarks where no checkpoint can be downloaded."""
-    model = empty_model(cfg, device, dtype)
+def random_model(cfg: Config, device, dtype, seed: int = 0, tp: Group = SINGLE):
+    """Random weights of a real shape, for benchmarks where no checkpoint can be downloaded (tp: this rank's
+    part of them)."""
+    model = empty_model(cfg, device, dtype, tp)
     gen = torch.Generator(device).manual_seed(seed)
     for name, p in model.named_parameters():
         p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02, generator=gen)
@@ -184,8 +187,8 @@ def random_model(cfg: Config, device, dtype, seed: int = 0):
 
 def make_model(args):
     if args.model:
-        return load(args.model, args.device, args.dtype)[0]
-    return random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype)
+        return load(args.model, args.device, args.dtype, args.tp)[0]
+    return random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype, tp=args.tp)
 
 
 def save_checkpoint(args, hw, model):
@@ -215,11 +218,12 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llam
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads from the weights: all of them, but of an untied input embedding only B rows."""
+    """Bytes a decode step reads from the weights: all of them, but of the input embedding only B rows, and
+    of a tied one the rows its lm_head uses (all of them, or this rank's share under tensor parallel)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.cfg.tie_embeddings:
-        total -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    return total
+    embed = model.model.embed_tokens.weight
+    head_rows = len(range(embed.shape[0])[model.vocab_part]) if model.cfg.tie_embeddings else 0
+    return total - (embed.shape[0] - head_rows) * embed.shape[1] * embed.element_size()
 
 
 class StepTimer:
@@ -233,7 +237,8 @@ class StepTimer:
         reset_peak(self.device)
         # the full cache has no budget: its slots are simply room for every token
         resolved = resolve_policy(policy, None if policy == "full" else slots)
-        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, resolved, kv_dtype=self.kv_storage)
+        self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, resolved, kv_dtype=self.kv_storage,
+                             tp=model.tp)
         self.state = State.empty(batch, self.device)
         t = time.perf_counter()
         sampler = Sampler.empty(batch, model.cfg.vocab_size, self.device)  # greedy rows, as the step runs any
@@ -346,8 +351,8 @@ def bench_throughput(args, hw: Machine, model):
         slots = slots_for(policy, args)
         fits = None
         if args.device.type == "cuda":
-            fits = batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0], args.dtype,
-                                   kv_dtype=KV_DTYPES[args.kv_dtype])
+            fits = model.tp.smallest(batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0],
+                                                     args.dtype, kv_dtype=KV_DTYPES[args.kv_dtype]))
         if not args.batch and fits == 0:
             raise ValueError(f"not even one sequence of {slots} KV slots ({policy}) fits in free GPU memory; "
                              f"lower --budget, --prompt-len or --new-tokens")
@@ -369,11 +374,23 @@ def bench_throughput(args, hw: Machine, model):
                              compile_s=timer.compile_s))
             if args.validate:
                 rows[-1].update(validate(args, model, timer, policy, B))
+            if args.dp:
+                rows[-1] = data_parallel_row(rows[-1])
             finished(rows[-1])
             timer.free()
     by = {r["policy"]: r["tokens_per_s"] for r in rows}
     if "longflow" in by and "full" in by:
         print(f"longflow / full throughput: {by['longflow'] / by['full']:.2f}x")
+
+
+def data_parallel_row(row: dict) -> dict:
+    """--dp: every rank ran its batch (--batch, or the largest that fits its GPU) on its own GPU; together they
+    serve the sum of their tokens/s (the slowest rank's step time stands for the step)."""
+    rows = parallel.gather(row)
+    return dict(row, ranks=len(rows), batch=sum(r["batch"] for r in rows),
+                ms_per_step=max(r["ms_per_step"] for r in rows),
+                tokens_per_s=sum(r["tokens_per_s"] for r in rows),
+                tokens_per_s_per_rank=[r["tokens_per_s"] for r in rows])
 
 
 def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
@@ -615,7 +632,7 @@ READS = {
     "kernel": {"batch", "slots"},
     "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot", "kv_dtype"},
     "throughput": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype",
-                   "validate", "plot"},
+                   "validate", "plot", "dp"},
     "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "hf": {"shape", "batch", "prompt_len", "new_tokens"},
@@ -653,6 +670,8 @@ def parser() -> Parser:
     p.add_argument("--vocab", type=positive_int, default=1000, help="serve: prompt ids are drawn below this")
     p.add_argument("--api-key", default=None, help="serve: the server's --api-key")
     p.add_argument("--out", default=None, help="checkpoint: the folder to write")
+    p.add_argument("--dp", action="store_true", help="throughput under torchrun: a whole model per process (GPU), "
+                   "tokens/s summed over them (without it, the model is split over the processes)")
     p.add_argument("--json", default=None, help="write the raw rows here")
     p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
     return p
@@ -672,6 +691,7 @@ def check_args(args, p: Parser):
     """Everything that can be checked before the benchmark starts, so that a bad option fails at once and not
     after hours (ValueError: what is wrong and what to do). Sets the device and the defaults that depend on it."""
     args.device, args.dtype = pick_device(args.device, None)
+    check_parallel(args)
     if args.workload == "kernel" and args.device.type != "cuda":
         raise ValueError("the kernel workload times CUDA kernels and needs a GPU")
     if args.workload == "hf" and importlib.util.find_spec("transformers") is None:
@@ -691,6 +711,18 @@ def check_args(args, p: Parser):
             check_writable(option, path)
     if args.plot:
         check_plot(args.plot, args.json)
+
+
+def check_parallel(args):
+    """Under torchrun the step, throughput, generate and long-prompt workloads split the model over the
+    processes (tensor parallel), or with --dp (throughput) run a whole model on each; the others run in one
+    process. Joins the processes and sets each one's device."""
+    if args.dp and not parallel.launched():
+        raise ValueError("--dp runs a whole model on each of torchrun's processes: start bench.py with torchrun "
+                         "--nproc-per-node N, or drop --dp")
+    if parallel.launched() and args.workload not in ("step", "throughput", "generate", "long-prompt"):
+        raise ValueError(f"the {args.workload} workload runs in one process; start it without torchrun")
+    args.tp, args.device = parallel.join(args.device, args.dp)
 
 
 def check_used(args, p: Parser):
@@ -809,11 +841,15 @@ def main():
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     p = parser()
     args = p.parse_args()
+    if parallel.rank() > 0:  # under torchrun rank 0 alone prints
+        sys.stdout = open(os.devnull, "w")
     try:
         check_args(args, p)
+        if parallel.rank() > 0:  # and writes --json and --plot (checked on every rank alike)
+            args.json = args.plot = None
         benchmark(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(parallel.report(e))
         sys.exit(2)
     except torch.OutOfMemoryError:  # a --batch or --context too large for this GPU (the finished rows are kept)
         print(f"error: out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave "
@@ -823,6 +859,8 @@ def main():
         reader_gone()
     except KeyboardInterrupt:
         interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
+    finally:
+        parallel.stop()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import kernel
+from parallel import SINGLE, Group
 
 SNAPKV_WINDOW = 32  # prompt compression keeps the last 32 prompt tokens and ranks the rest by their attention
 SNAPKV_POOL = 5
@@ -143,12 +144,12 @@ def hash32(x):
     return x ^ (x >> 16)
 
 
-def random_score(pos, layer, now):
+def random_score(pos, layer, heads, now):
     """The `random` rule's eviction score: a hash of (position, layer, KV head, step), so every step draws
     afresh (as kvpress draws new noise at every compression) and runs still repeat themselves. pos:
-    [B, H_kv, S]; now: [B] the newest position of each row (the step)."""
-    head = torch.arange(pos.shape[1], device=pos.device)[:, None]  # [H_kv, 1]
-    token = hash32(pos.long() * 0x9E3779B1 + layer * 0x85EBCA77 + head)
+    [B, H_kv, S]; heads: [H_kv] the KV heads' numbers in the whole model (tensor parallel: this rank's);
+    now: [B] the newest position of each row (the step)."""
+    token = hash32(pos.long() * 0x9E3779B1 + layer * 0x85EBCA77 + heads[:, None])
     return (hash32(token + now.long()[:, None, None] * 0xC2B2AE3D) >> 8).float()  # 24 bits: exact in fp32
 
 
@@ -171,7 +172,7 @@ def rule_score(p: "Policy", c: "Layer", now):
     if p.rule == "oldest":
         return c.pos.float()
     if p.rule == "random":
-        return random_score(c.pos, c.index, now)
+        return random_score(c.pos, c.index, c.heads, now)
     if p.rule == "knorm":
         return -c.score
     if p.rule == "rkv":
@@ -235,6 +236,7 @@ class Layer:
     key_sum: torch.Tensor  # [B, H_kv, D] fp32 sum of the held keys' unit vectors (keydiff, rkv)
     queries: torch.Tensor  # [B, H_q, RKV_QUERIES, D] the last queries after RoPE, at column position % W (rkv)
     index: torch.Tensor  # [] int64 the layer number (the random rule hashes it)
+    heads: torch.Tensor  # [H_kv] int64 the KV heads' numbers in the whole model (tensor parallel: this rank's)
 
 
 KV_DTYPES = {"auto": None, "fp8": kernel.FP8}  # what the cache stores K and V in (auto: the model's dtype)
@@ -242,16 +244,17 @@ KV_DTYPES = {"auto": None, "fp8": kernel.FP8}  # what the cache stores K and V i
 
 class KVCache:
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
-                 prompt_rule: str = "snapkv", kv_dtype: torch.dtype | None = None):
+                 prompt_rule: str = "snapkv", kv_dtype: torch.dtype | None = None, tp: Group = SINGLE):
         """dtype: the model's; kv_dtype: what K and V are stored in, dtype (None) or kernel.FP8 (e4m3 with a
-        scale per token and KV head)."""
+        scale per token and KV head). tp: the ranks of a tensor-parallel model, cfg this rank's part: its
+        cache holds its own KV heads, and decisions per layer take the mean over the heads of every rank."""
         if isinstance(policy, str):  # a name: its protections sized for these slots
             policy = resolve_policy(policy, None if policy == "full" else slots)
         if kv_dtype not in (None, dtype, kernel.FP8):
             raise ValueError(f"a KV cache stores the model's dtype or FP8 (e4m3), not {kv_dtype}")
         self.policy, self.dtype, self.fp8 = policy, dtype, kv_dtype == kernel.FP8
         check_prompt_rule(prompt_rule)
-        self.prompt_rule, self.slots = prompt_rule, slots
+        self.prompt_rule, self.slots, self.tp = prompt_rule, slots, tp
         self.layers = [self.new_layer(cfg, batch, slots, device, dtype, i) for i in range(cfg.n_layers)]
 
     def new_layer(self, cfg, batch: int, slots: int, device, dtype, index: int) -> Layer:
@@ -269,7 +272,8 @@ class KVCache:
                      key_sum=f32(p.keeps_key_sum, (batch, cfg.n_kv_heads, cfg.head_dim)),
                      queries=torch.zeros((batch, cfg.n_heads, RKV_QUERIES, cfg.head_dim) if p.keeps_queries
                                          else (1, 1, 1, 1), device=device, dtype=dtype),
-                     index=torch.tensor(index, device=device))
+                     index=torch.tensor(index, device=device),
+                     heads=torch.arange(cfg.n_kv_heads, device=device) + self.tp.rank * cfg.n_kv_heads)
 
     @staticmethod
     def bytes_needed(cfg, batch: int, slots: int, dtype, policy: Policy | None = None,
@@ -324,20 +328,42 @@ class KVCache:
             fresh = k.float().norm(dim=-1) if p.keeps_key_norm else k.new_zeros(B, H, dtype=torch.float32)
             c.score.index_put_(at, fresh)
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
+        # tensor parallel, one decision per layer: the kernel gives this rank's part of the score, not a slot
+        together = p.rule == "kernel" and not p.per_head and self.tp.size > 1
         # a cache that fills in order (full) reads only the slots filled so far
         out, evict = attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window,
-                            select=p.rule == "kernel", value_norm=p.value_norm, acc=c.score if p.accumulate else None,
+                            select=p.rule == "kernel", value_norm=p.value_norm,
+                            acc=c.score if p.accumulate and not together else None,
                             limit=c.next_slot + 1 if p.rule == "fill" else None,
                             vnorm=c.vnorm if p.keeps_vnorm else None,
-                            k_scale=c.k_scale if self.fp8 else None, v_scale=c.v_scale if self.fp8 else None)
+                            k_scale=c.k_scale if self.fp8 else None, v_scale=c.v_scale if self.fp8 else None,
+                            partial=together)
         # a full cache is sized for every token, so slots fill in order; a finished sequence that steps on
         # until its row is reused just rewrites its last slot
         if p.rule == "fill":
             evict = (c.next_slot + 1).clamp(max=self.slots - 1)
+        elif together:
+            evict = self.decide_together(c, evict)
         elif p.rule != "kernel":  # the rules that need no attention pick in PyTorch
-            evict = argmin_slot(rule_score(p, self.readable(c), positions), c.pos, p)
+            score = rule_score(p, self.readable(c), positions)
+            # per layer, the mean over every rank's heads; not for the oldest position, the same in every head
+            evict = argmin_slot(score if p.per_head or p.rule == "oldest" else self.layer_mean(score), c.pos, p)
         c.next_slot.copy_(evict)
         return out
+
+    def layer_mean(self, score):
+        """[B, H, ...] -> [B, 1, ...]: the mean over every head of the layer, this rank's and the others'."""
+        return self.tp.mean(score.mean(1, keepdim=True))
+
+    def decide_together(self, c: Layer, part):
+        """Tensor parallel, one decision per layer: this rank's score part [B, S] (the mean over its heads,
+        from the kernel) becomes the layer's mean over every head, from which each rank takes the same slot
+        (the kernel's rule: empty first, protected never, lowest slot on ties). Returns [B, H_kv]."""
+        score = self.layer_mean(part[:, None])  # [B, 1, S]
+        if self.policy.accumulate:  # every column of c.score holds the layer's accumulated score
+            c.score.add_(score)
+            score = c.score[:, :1]
+        return argmin_slot(score, c.pos, self.policy)
 
     def readable(self, c: Layer) -> Layer:
         """The layer with its keys as values (dequantized, for an FP8 cache), for the rules that read them."""
@@ -395,7 +421,7 @@ class KVCache:
         Returns [R, H_kv, T] fp32."""
         p, (R, H, T, _) = self.policy, k.shape
         cols = attention_column_sums(q, k, positions)  # [R, H_q, T]
-        cols = cols.view(R, H, -1, T).mean(2) if p.per_head else cols.mean(1, keepdim=True).expand(R, H, T)
+        cols = cols.view(R, H, -1, T).mean(2) if p.per_head else self.layer_mean(cols).expand(R, H, T)
         return cols * kernel.l1_norm(v) if p.value_norm else cols
 
     def prompt_keep(self, layer: Layer, q, k, v, pos, n_keep: int, seed=None):
@@ -409,13 +435,14 @@ class KVCache:
             sinks = max(p.n_sink, 4)
             return top_tokens(torch.where(pos < sinks, pos.max() + 1, pos).float(), pos, n_keep)
         if self.prompt_rule == "snapkv":
-            score = snapkv_score(q, k, pos[:, 0], p.per_head)
+            score = snapkv_score(q, k, pos[:, 0], p.per_head, self.tp)
         elif seed is not None:
             score = seed
         elif p.rule == "kernel":  # the decode score of the last real query
             last = q[torch.arange(R), :, (pos[:, 0] >= 0).sum(1) - 1]  # [R, H_q, D]
-            score = q.new_zeros(R, H, T, dtype=torch.float32)
-            kernel.decode_attention_ref(last, k, v, pos, per_head=p.per_head, value_norm=p.value_norm, acc=score)
+            score = kernel.decode_attention_ref(last, k, v, pos, per_head=p.per_head, value_norm=p.value_norm,
+                                                partial=True)[1]  # [R, H_kv, T], or per layer [R, T]
+            score = score if p.per_head else self.layer_mean(score[:, None]).expand(R, H, T)
         else:  # the rule's own eviction score: decoding evicts the lowest, so the highest are kept
             prompt = replace(layer, k=k, v=v, pos=pos, score=k.float().norm(dim=-1))
             if p.keeps_key_sum:
@@ -423,7 +450,7 @@ class KVCache:
             if p.keeps_queries:
                 prompt.queries = last_queries(q, pos[:, 0])[0]
             score = rule_score(p, prompt, pos.amax((1, 2)))
-            score = score if p.per_head else score.mean(1, keepdim=True).expand(R, H, T)
+            score = score if p.per_head else self.layer_mean(score).expand(R, H, T)
         protected = kernel.protected_mask(pos, p.n_sink, p.window)
         return top_tokens(score.masked_fill(protected, float("inf")), pos, n_keep)
 
@@ -482,11 +509,11 @@ def attention_column_sums(q, k, positions, budget_bytes: int = 2**28):
     return cols.view(B, Hq, T)
 
 
-def snapkv_score(q, k, positions, per_head: bool):
+def snapkv_score(q, k, positions, per_head: bool, tp: Group = SINGLE):
     """SnapKV prompt compression (Li et al. 2024): the last SNAPKV_WINDOW prompt tokens stay (score +inf);
     the rest are ranked by the attention those queries give them (softmax weights summed over the
     window's queries and the heads, average-pooled over 5 neighbouring tokens). Returns [B, H_kv, T];
-    q: [B, H_q, T, D]; k: [B, H_kv, T, D]; positions: [B, T]."""
+    q: [B, H_q, T, D]; k: [B, H_kv, T, D]; positions: [B, T]; tp: per layer, the heads of every rank count."""
     B, Hq, T, D = q.shape
     H = k.shape[1]
     lengths = (positions >= 0).sum(1)  # [B]
@@ -500,7 +527,7 @@ def snapkv_score(q, k, positions, per_head: bool):
     attn = F.avg_pool1d(attn, SNAPKV_POOL, stride=1, padding=SNAPKV_POOL // 2)
     score = attn.view(B, H, Hq // H, T).sum(2)  # [B, H_kv, T], per KV head: its query group
     if not per_head:
-        score = score.sum(1, keepdim=True).expand(B, H, T)  # one decision for the whole layer
+        score = tp.sum(score.sum(1, keepdim=True)).expand(B, H, T)  # one decision for the whole layer
     in_window = (idx >= lengths[:, None] - SNAPKV_WINDOW) & (positions >= 0)  # [B, T]
     return torch.where(in_window[:, None], float("inf"), score)
 

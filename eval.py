@@ -391,10 +391,12 @@ def needle_kept(llm, conv: list[dict], item: dict, ids: list[int] | None = None)
     T, tensor = len(enc.ids), lambda data: torch.tensor(data, device=llm.device)
     full = llm.budget is None or llm.policy.rule == "fill"  # as generation does: room for every token
     cache = KVCache(llm.model.cfg, 1, T + 1 if full else llm.budget, llm.device, llm.dtype, llm.policy,
-                    llm.prompt_rule)
+                    llm.prompt_rule, llm.engine.kv_dtype, llm.model.tp)
     llm.model(tensor([enc.ids]), tensor([list(range(T))]), cache, rows=tensor([0]), last=tensor([T - 1]))
     rows = [set(row) for layer in cache.layers for row in layer.pos[0].tolist()]  # L x H_kv sets of positions
-    return sum(wanted <= row for row in rows) / len(rows)
+    share = sum(wanted <= row for row in rows) / len(rows)
+    # tensor parallel: each rank holds as many of the (layer, KV head) rows, so the share is their mean
+    return share if llm.model.tp.size == 1 else llm.model.tp.mean(tensor([share])).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,18 +456,25 @@ def prompt_ids(tokenizer, item: dict, protocol: Protocol) -> tuple[list[dict], l
 
 
 def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: dict, seed: int,
-             batch_size: int | None = None) -> dict:
+             batch_size: int | None = None, dp: bool = False) -> dict:
     """Generate for every (item, sample) not yet in `path`, appending its line the moment it finishes (an
     interrupted run keeps every finished generation); return the summary over the rows of these items and
-    samples."""
+    samples. dp: under torchrun, each rank generates its share (every world-th generation) into its own file
+    (own_file), which rank 0 merges into `path` at the end (or, after an interruption, at the next start)."""
+    import parallel
+    share = (parallel.rank(), parallel.world()) if dp else (0, 1)
+    if parallel.rank() == 0:
+        merge_rank_files(path)
+    parallel.barrier()  # rank 0's merge is done before anyone reads what is done
     done = {(r["index"], r["sample"]) for r in read_rows(path)}
     todo = [(it, s) for s in range(protocol.samples) for it in items if (it["index"], s) not in done]
+    todo = todo[share[0]::share[1]]
     asked = [prompt_ids(llm.tokenizer, it, protocol) for it, _ in todo]
     # a seed per (item, sample): a resumed run draws the same samples
     seeds = [seed + 1000003 * s + it["index"] for it, s in todo]
-    stats = None
+    stats, own = None, own_file(path, dp)
     if todo:
-        with path.open("a") as f, ProgressBar(len(todo), path.name) as bar:
+        with open(own or os.devnull, "a") as f, ProgressBar(len(todo), path.name) as bar:
             def write(i, out):
                 (it, s), (conv, ids, cut) = todo[i], asked[i]
                 extra = {"depth": it["depth"], "needle_kept": needle_kept(llm, conv, it, ids)} \
@@ -482,32 +491,73 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
             llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens, seed=seeds,
                          batch_size=batch_size, on_output=write, **sampling)
         stats = llm.stats
+    tokens, seconds = zip(*parallel.gather((stats.generated_tokens, stats.decode_s + stats.prefill_s) if stats
+                                           else (0, 0.0))) if dp else ((), ())
+    parallel.barrier()  # every rank's rows are written
+    if parallel.rank() == 0:
+        merge_rank_files(path)
+    parallel.barrier()  # and merged, before anyone reads the run's file
     rows = saved_rows(path, items, protocol.samples)
     return {"file": str(path), "items": len(items), "samples": protocol.samples, "rows": len(rows),
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
             "budget_full_fraction": sum(r["budget_full"] for r in rows) / len(rows),
             "prompts_cut": sum(r.get("prompt_cut", False) for r in rows) / len(rows),
-            # of the generations made now; None when nothing was left to generate (the caller keeps the last)
-            "tokens_per_s": stats.generated_tokens / (stats.decode_s + stats.prefill_s) if stats else None,
+            # of the generations made now; None when nothing was left to generate (the caller keeps the last);
+            # data parallel: every rank's tokens over the slowest rank's time
+            "tokens_per_s": (sum(tokens) / max(seconds) if max(seconds) else None) if dp else
+            stats.generated_tokens / (stats.decode_s + stats.prefill_s) if stats else None,
             "kv_bytes": stats.kv_bytes if stats else None, **needle_summary(rows)}
+
+
+def own_file(path: Path, dp: bool) -> Path | None:
+    """Where this process appends its rows: rank 0 (and a single process) to the run's file; under data
+    parallel rank r > 0 to one of its own beside it; under tensor parallel the other ranks nowhere (they
+    generate what rank 0 generates)."""
+    import parallel
+    if parallel.rank() == 0:
+        return path
+    return path.with_name(f"{path.stem}.rank{parallel.rank()}.jsonl") if dp else None
+
+
+def merge_rank_files(path: Path):
+    """The rows the other ranks of a data-parallel run wrote go into the run's file (each row once), and
+    their files away: at the end of the run, or at the start of the next one after an interruption."""
+    done = {(r["index"], r["sample"]) for r in read_rows(path)}
+    for part in rank_files(path):
+        new = [row for row in read_rows(part) if (row["index"], row["sample"]) not in done]
+        with path.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in new)
+        done |= {(row["index"], row["sample"]) for row in new}
+        part.unlink()
+
+
+def rank_files(path: Path) -> list[Path]:
+    """The files of the other ranks of a data-parallel run beside the run's file."""
+    import glob
+    return sorted(path.parent.glob(f"{glob.escape(path.stem)}.rank*.jsonl"))
 
 
 class ProgressBar:
     """A live bar (tqdm: done of total, rate, time left, and generated tokens/s when given), or a printed line
-    every twentieth of the way when tqdm is not installed."""
+    every twentieth of the way when tqdm is not installed; nothing on the ranks after the first under torchrun."""
 
     def __init__(self, total: int, name: str, unit: str = "gen"):
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True)
-        except ImportError:
-            self.bar = None
-        self.tokens, self.done, self.total, self.name, self.unit = 0, 0, total, name, unit
+        self.bar = None
+        quiet = int(os.environ.get("RANK", "0")) > 0
+        if not quiet:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc=name, unit=unit, dynamic_ncols=True)
+            except ImportError:
+                pass
+        self.quiet, self.tokens, self.done, self.total, self.name, self.unit = quiet, 0, 0, total, name, unit
 
     def update(self, n: int, tokens: int = 0):
         self.tokens += tokens
         self.done += n
+        if self.quiet:
+            return
         if self.bar is None:  # a line at every twentieth of the way instead
             step = max(1, self.total // 20)
             if self.done // step != (self.done - n) // step or self.done >= self.total:
@@ -786,6 +836,8 @@ def write_fidelity_table(summaries: list[dict], out_dir: Path):
 
 def fidelity_main(argv):
     args = parse_fidelity_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("eval.py fidelity runs in one process; start it without torchrun")
     check_fidelity_args(args)
     run_fidelity(args)
 
@@ -922,25 +974,34 @@ def main(argv=None):
     """`eval.py [options]`: accuracy on a benchmark; `eval.py fidelity [options]`: fidelity to the full cache.
     Bad input is one line on stderr and exit status 2, as argparse reports a bad option."""
     argv = sys.argv[1:] if argv is None else argv
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun rank 0 alone prints (and writes the results)
+        sys.stdout = open(os.devnull, "w")
     try:
         if argv[:1] == ["fidelity"]:
             fidelity_main(argv[1:])
         else:
             run_main(parse_args(argv))
     except (ValueError, OSError, ImportError) as e:
-        fail(str(e))
+        fail(e)
     except KeyboardInterrupt:  # while starting up: the runs themselves report what they saved
         interrupted("before generating anything; run the same command again (it keeps what earlier runs saved)")
 
 
-def fail(message: str):
-    print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)  # one line, whatever raised it
+def fail(e: Exception):
+    """One line, whatever raised it; under torchrun rank 0's, and another rank's own errors (parallel.report)."""
+    if "parallel" in sys.modules:  # imported with the model: the ranks may have joined
+        line = sys.modules["parallel"].report(e)
+    else:  # not yet: every rank checks the same options, and rank 0 says what is wrong
+        line = f"error: {e}" if int(os.environ.get("RANK", "0")) == 0 else None
+    if line:
+        print(" ".join(line.splitlines()), file=sys.stderr)
     sys.exit(2)
 
 
 def interrupted(what: str):
     """Ctrl-C: one line on stderr and exit status 130, as a shell reports an interrupted command."""
-    print(f"\ninterrupted: {what}", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"\ninterrupted: {what}", file=sys.stderr)
     sys.exit(130)
 
 
@@ -977,6 +1038,9 @@ def parse_args(argv):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
                    help="let prompt + new tokens run past the model's max_position_embeddings")
+    p.add_argument("--dp", action="store_true",
+                   help="under torchrun: a whole model per process (GPU), each with its share of the generations "
+                        "(without it, the model is split over the processes: tensor parallel)")
     return p.parse_args(argv)
 
 
@@ -986,6 +1050,9 @@ def check_args(args):
     check_out(Path(args.out))
     Sampling.with_defaults({}, **chosen_protocol(args).sampling)  # those from the model are checked once it loads
     check_seed(args.seed)
+    if args.dp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("--dp shares the generations out among torchrun's processes: start eval.py with "
+                         "torchrun --nproc-per-node N, or drop --dp")
     # grading imports math-verify at the first finished generation: too late to say it is missing
     if args.data != "retrieval" and importlib.util.find_spec("math_verify") is None:
         raise ValueError("grading answers needs math-verify: pip install -e '.[eval]'")
@@ -1025,8 +1092,10 @@ def chosen_protocol(args) -> Protocol:
 
 
 def run_main(args):
-    """Evaluate every run with one loaded model: a JSONL file of rows and a summary per run, then the table."""
+    """Evaluate every run with one loaded model: a JSONL file of rows and a summary per run, then the table
+    (under torchrun, written by rank 0)."""
     check_args(args)
+    import parallel
     proto = chosen_protocol(args)
     runs = eval_runs(args.runs, proto)
     items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
@@ -1036,17 +1105,25 @@ def run_main(args):
     paths = [run_file(out_dir, args.data, *run, kv_dtype=args.kv_dtype) for run in runs]
     locks = []
     try:
-        for path in paths:  # every run locked, and its earlier rows read, before the model loads
+        # every run locked, and its earlier rows read, before the model loads: by rank 0 under torchrun, which
+        # alone writes the run's file (and merges the files of data-parallel ranks, read here too)
+        for path in paths if parallel.rank() == 0 else []:
             locks.append(lock_run(path))
-            read_rows(path)
-        write_table(evaluate_runs(args, proto, runs, items, paths), out_dir)
+            for rows_file in [path, *rank_files(path)]:
+                read_rows(rows_file)
+        summaries = evaluate_runs(args, proto, runs, items, paths)
+        if parallel.rank() == 0:
+            write_table(summaries, out_dir)
     except KeyboardInterrupt:
-        saved = sum(len(saved_rows(path, items, proto.samples)) for path in paths)
+        if parallel.rank() > 0:  # rank 0 counts (and says) what every rank saved
+            sys.exit(130)
+        saved = sum(len(saved_rows(p, items, proto.samples)) for path in paths for p in [path, *rank_files(path)])
         interrupted(f"{saved} of {len(paths) * len(items) * proto.samples} generations are saved in {out_dir}; "
                     "run the same command to resume with the rest")
     finally:  # also when interrupted: an eval.py inside a longer Python session must not keep them
         for handle in locks:
             handle.close()
+        parallel.stop()
 
 
 def eval_runs(specs: list[str], proto: Protocol) -> list[tuple[str, int | None, str]]:
@@ -1066,18 +1143,19 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     import tinyflow
     from generate import Sampling
     policy, budget, _ = runs[0]
+    import parallel
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,
-                       allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype)
+                       allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype, data_parallel=args.dp)
     check_chat_template(llm, args.model)
     summaries = []
     for (policy, budget, rule), path in zip(runs, paths):
         llm.set_policy(budget, policy, prompt_compression=rule)
         sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
-        check_settings(path, dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
-                                  suffix=proto.suffix, max_new_tokens=proto.max_new_tokens,
-                                  prompt_tokens=proto.prompt_tokens, answer=proto.answer, sampling=sampling,
-                                  seed=args.seed, retrieval_words=args.retrieval_words))
-        summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size)
+        settings = dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
+                        suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
+                        answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)
+        parallel.on_rank0(lambda: check_settings(path, settings))  # one writer of the settings file
+        summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size, args.dp)
         summary_path = path.with_suffix(".summary.json")
         if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured
             before = read_json(summary_path) or {}
@@ -1085,7 +1163,8 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
         summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, kv_dtype=args.kv_dtype,
                               data=args.data,
                               model=args.model, protocol=args.protocol, sampling=sampling))
-        write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
+        if parallel.rank() == 0:
+            write_atomically(summary_path, json.dumps(summaries[-1], indent=1))
     return summaries
 
 

@@ -26,6 +26,7 @@ import torch
 
 from cache import KV_DTYPES, POLICIES, PROMPT_RULES, KVCache, Policy, hash32, is_int, resolve_policy
 import kernel
+import parallel
 from model import MLP_TOKENS, Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
@@ -250,7 +251,9 @@ class Stepper:
         cfg = torch._dynamo.config
         cfg.cache_size_limit = max(cfg.cache_size_limit, 1024)
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4096)
-        tune = state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH
+        # not under tensor parallel: ranks tuned apart could pick kernels that round differently, and sample
+        # different tokens from the same logits
+        tune = state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH and model.tp.size == 1
         options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
         compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if compile else fn
         self.run_block = compiled(run_block)
@@ -403,7 +406,7 @@ class Engine:
         if len(sampling) != len(prompts) or not all(isinstance(s, Sampling) for s in sampling):
             raise ValueError(f"sampling must be one Sampling or one per prompt ({len(prompts)})")
         if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
-            seed = random.randrange(2**31) if seed is None else seed
+            seed = self.model.tp.same(random.randrange(2**31)) if seed is None else seed  # every rank's
             seed = [int(seed) + i for i in range(len(prompts))] if is_int(seed) else [seed]
         if len(seed) != len(prompts) or not all(map(is_int, seed)):
             raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
@@ -481,8 +484,10 @@ class Engine:
         return Stats(admitted, sum(map(len, outs)), batch, setup_s, run.prefill_s,
                      seconds - run.prefill_s, policy.name or policy.rule, slots,
                      "fp8" if self.kv_dtype == kernel.FP8 else str(self.dtype).removeprefix("torch."),
-                     KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
-                     KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"], self.kv_dtype))
+                     # every rank's KV heads (cfg is one rank's part under tensor parallel)
+                     self.model.tp.size * KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
+                     self.model.tp.size * KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"],
+                                                               self.kv_dtype))
 
     def _check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""
@@ -515,7 +520,9 @@ class Engine:
                                  f"--max-new-tokens or --budget")
             return batch
         free = self.free_bytes()
-        fits = batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra, self.kv_dtype)
+        # tensor parallel: the rows every rank can hold (cfg is this rank's part of the model)
+        fits = self.model.tp.smallest(batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra,
+                                                      self.kv_dtype))
         if asked is None and fits > 0:
             return min(batch, fits)
         if batch > fits:
@@ -537,7 +544,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule,
-                             self.kv_dtype)
+                             self.kv_dtype, self.model.tp)
         self.state = State.empty(batch, self.device)
         vocab = self.model.cfg.vocab_size
         self.mode = Sampler.empty(batch, vocab, self.device) if mode == "sample" else \
@@ -867,13 +874,14 @@ def read_prompt(args) -> str:
 
 def run(args):
     check_policy_args(args)
-    text = read_prompt(args)
-    if not text.strip():
-        raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
     rule = args.prompt_compression or "snapkv"
     policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, rule)
     device, dtype = pick_device(args.device, args.dtype)
-    model, tok = load(args.model, device, dtype)
+    tp, device = parallel.join(device)  # under torchrun: this rank's part of the model, its GPU
+    text = parallel.on_rank0(lambda: read_prompt(args))  # standard input is rank 0's
+    if not text.strip():
+        raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
+    model, tok = load(args.model, device, dtype, tp)
     if args.chat and tok.template is None:
         raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
     chat = tok.template is not None if args.chat is None else args.chat
@@ -913,8 +921,8 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     if engine.device.type != "cuda":
         raise ValueError("--batch-size max sizes the batch from free GPU memory; give a number on the CPU")
     slots = prompt_len + args.max_new_tokens if args.budget is None else args.budget
-    fits = batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(), engine.dtype,
-                           kv_dtype=engine.kv_dtype)
+    fits = engine.model.tp.smallest(batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(),
+                                                    engine.dtype, kv_dtype=engine.kv_dtype))
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")
     return fits
@@ -923,19 +931,29 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
 def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
+    if parallel.rank() > 0:  # under torchrun rank 0 alone prints (the other ranks compute the same tokens)
+        sys.stdout = open(os.devnull, "w")
     try:
         run(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(parallel.report(e))
         sys.exit(2)
     except MemoryError:  # before any check can run, e.g. the prompt copied for --batch-size 10**11
-        print("error: out of host memory; lower --batch-size, --max-new-tokens or --budget", file=sys.stderr)
+        say(parallel.report(MemoryError("out of host memory; lower --batch-size, --max-new-tokens or --budget")))
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        say("interrupted" if parallel.rank() == 0 else None)
         sys.exit(130)
     except BrokenPipeError:
         reader_gone()
+    finally:
+        parallel.stop()
+
+
+def say(line: str | None):
+    """One line on stderr (None: nothing, as for another rank's copy of rank 0's error)."""
+    if line:
+        print(line, file=sys.stderr)
 
 
 def reader_gone():

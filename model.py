@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from cache import KVCache, Layer, in_order, is_int
+from parallel import SINGLE, Group
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -211,31 +212,37 @@ MLP_TOKENS = 8192  # prefill runs the MLP over at most this many tokens at once 
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, tp: Group):
         super().__init__()
+        self.tp = tp  # tensor parallel: each rank's attention and MLP give partial sums of the whole layer's
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, positions, cache, layer, rows):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, rows)
+        x = x + self.tp.sum(self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, rows))
         if x.shape[0] * x.shape[1] <= MLP_TOKENS:
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self.tp.sum(self.mlp(self.post_attention_layernorm(x)))
         flat = x.view(-1, x.shape[-1])  # a long prefill: the MLP's [tokens, 3 x intermediate] a chunk at a time
-        return torch.cat([t + self.mlp(self.post_attention_layernorm(t)) for t in flat.split(MLP_TOKENS)]).view_as(x)
+        return torch.cat([t + self.tp.sum(self.mlp(self.post_attention_layernorm(t)))
+                          for t in flat.split(MLP_TOKENS)]).view_as(x)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, tp: Group = SINGLE):
+        """tp: the ranks the model is split over (parallel.py); cfg is then this rank's part (its heads and
+        MLP share: tp.shard), full_cfg the whole model's."""
         super().__init__()
-        self.cfg = cfg
+        self.full_cfg, self.cfg, self.tp = cfg, tp.shard(cfg), tp
+        cfg = self.cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.model.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.vocab_part = tp.part(cfg.vocab_size)  # the lm_head rows of this rank (all of them without TP)
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, len(range(cfg.vocab_size)[self.vocab_part]), bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg, "cpu"), persistent=False)
 
     def forward(self, tokens, positions, cache: KVCache, rows=None, last=None, run_block=Block.__call__):
@@ -256,8 +263,8 @@ class Transformer(nn.Module):
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
         x = self.model.norm(x)
-        head = self.model.embed_tokens.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return F.linear(x, head).float()
+        head = self.model.embed_tokens.weight[self.vocab_part] if self.cfg.tie_embeddings else self.lm_head.weight
+        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size).float()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,7 +349,7 @@ def load_weights(model: Transformer, folder: str, device, dtype):
                     if name not in params or name in filled:
                         raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
                                          f"parameter (or it appeared twice)")
-                    t = f.get_tensor(name)
+                    t = read_part(f, name, params[name].shape, model)
                     if t.shape != params[name].shape:
                         raise ValueError(f"weight {name!r} has shape {list(t.shape)}, the config implies "
                                          f"{list(params[name].shape)}")
@@ -357,6 +364,41 @@ def load_weights(model: Transformer, folder: str, device, dtype):
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
 
 
+def tp_split(name: str, cfg: Config) -> tuple[int, int, int] | None:
+    """How tensor parallel splits the checkpoint's tensor `name` (cfg: the whole model's): along dim, in
+    `units` equal units of `size` rows or columns (heads of head_dim, MLP or vocabulary rows of 1), each rank
+    taking its share of units; None: every rank holds it whole (embedding, norms)."""
+    kind = name.split(".")[-2]  # "q_proj" in "model.layers.0.self_attn.q_proj.weight", "bias" too
+    heads = {"q_proj": cfg.n_heads, "k_proj": cfg.n_kv_heads, "v_proj": cfg.n_kv_heads}
+    if kind in heads:
+        return 0, heads[kind], cfg.head_dim
+    if kind == "o_proj":
+        return 1, cfg.n_heads, cfg.head_dim
+    if kind in ("gate_proj", "up_proj", "down_proj"):
+        return int(kind == "down_proj"), cfg.intermediate_size, 1
+    if name == "lm_head.weight":
+        return 0, cfg.vocab_size, 1
+    return None
+
+
+def read_part(f, name: str, shape, model: Transformer) -> torch.Tensor:
+    """The tensor `name` of safetensors file f, or under tensor parallel only this rank's rows or columns
+    of it (safetensors' get_slice reads just those bytes). A stored tensor whose whole shape is not the one
+    the config implies is refused, naming both."""
+    split = tp_split(name, model.full_cfg) if model.tp.size > 1 else None
+    if split is None:
+        return f.get_tensor(name)
+    dim, units, size = split
+    stored = f.get_slice(name)
+    whole = list(shape)
+    whole[dim] = units * size
+    if list(stored.get_shape()) != whole:
+        raise ValueError(f"weight {name!r} has shape {list(stored.get_shape())}, the config implies {whole}")
+    part = model.tp.part(units)
+    at = slice(part.start * size, part.stop * size)
+    return stored[at] if dim == 0 else stored[:, at]
+
+
 def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tensor):
     """A NaN or inf weight makes every logit NaN (and generation empty): name the tensor instead. One fp32
     sum per tensor (no copy of it); only a sum that is not finite is looked at element by element."""
@@ -368,10 +410,11 @@ def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tenso
     raise ValueError(f"weight {name!r} of {file} holds NaN or infinite values: the checkpoint is damaged")
 
 
-def empty_model(cfg: Config, device, dtype) -> Transformer:
-    """The model with uninitialised weights on `device`, allocated once (no CPU copy on the way)."""
+def empty_model(cfg: Config, device, dtype, tp: Group = SINGLE) -> Transformer:
+    """The model (this rank's part of it, under tensor parallel) with uninitialised weights on `device`,
+    allocated once (no CPU copy on the way)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_frequencies(cfg, device)  # computed, not stored: rebuild after to_empty
     return model.eval().requires_grad_(False)
@@ -464,8 +507,9 @@ def generation_defaults(gen: dict, path: str) -> dict:
     return gen
 
 
-def load(name: str, device, dtype) -> tuple[Transformer, Tokenizer]:
+def load(name: str, device, dtype, tp: Group = SINGLE) -> tuple[Transformer, Tokenizer]:
+    """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer."""
     folder = resolve(name)
-    model = empty_model(Config.from_dict(read_json(folder, "config.json")), device, dtype)
+    model = empty_model(Config.from_dict(read_json(folder, "config.json")), device, dtype, tp)
     load_weights(model, folder, device, dtype)
     return model, Tokenizer(folder, model.cfg)

@@ -604,6 +604,8 @@ def port(text: str) -> int:
 
 def build(args) -> Server:
     check_policy_args(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one engine loop owns one GPU: nothing splits a model yet
+        raise ValueError("server.py serves from one process on one GPU; start it without torchrun")
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype)
     limit = model.cfg.max_position_embeddings

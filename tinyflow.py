@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 
 def check_own_modules():
-    """tinyflow's files are top-level modules (model, cache, kernel, generate): a file of the same name
+    """tinyflow's files are top-level modules (model, cache, kernel, generate, parallel): a file of the same name
     earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "kernel", "model", "generate"):
+    for name in ("cache", "kernel", "model", "generate", "parallel"):
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec else None
         if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
@@ -27,6 +27,7 @@ check_own_modules()
 from cache import KV_DTYPES, resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
 from generate import Engine, Interrupted, Sampling, Stats, pick_device  # noqa: E402
 from model import load  # noqa: E402
+from parallel import join  # noqa: E402
 
 
 @dataclass
@@ -46,7 +47,7 @@ class LLM:
     def __init__(self, model: str, budget: int | None = None, policy: str | None = None,
                  device=None, dtype=None, compile: bool = True, sinks: int | None = None,
                  window: int | None = None, prompt_compression: str = "snapkv", allow_long_context: bool = False,
-                 kv_dtype: str = "auto"):
+                 kv_dtype: str = "auto", data_parallel: bool = False):
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
@@ -55,12 +56,17 @@ class LLM:
         longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
         allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise).
         kv_dtype: "auto" (K and V in the model's dtype) or "fp8" (float8 e4m3 and a scale per token and KV
-        head: about half the bytes of bf16, so about twice the sequences fit)."""
+        head: about half the bytes of bf16, so about twice the sequences fit).
+
+        Under torchrun (several processes) the model is split over them (tensor parallel, parallel.py): every
+        process makes the same calls and gets the same outputs. data_parallel: under torchrun, a whole model
+        in each process instead, on its own GPU; each process then generates for its own prompts."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         self.set_policy(budget, policy, sinks, window, prompt_compression)
         self.device, self.dtype = pick_device(device, dtype)
-        self.model, self.tokenizer = load(model, self.device, self.dtype)
+        tp, self.device = join(self.device, data_parallel)
+        self.model, self.tokenizer = load(model, self.device, self.dtype, tp)
         self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context,
                              kv_dtype=KV_DTYPES[kv_dtype])
         self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)

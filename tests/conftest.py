@@ -36,23 +36,24 @@ def write_tokenizer(folder):
     return tok
 
 
-def write_checkpoint(folder, arch: str, **shard):
-    """A tiny random checkpoint saved by transformers itself: the oracle's own format."""
+def write_checkpoint(folder, arch: str, kv_heads: int | None = None, vocab: int = 320, **shard):
+    """A tiny random checkpoint saved by transformers itself: the oracle's own format. kv_heads, vocab:
+    other sizes than each architecture's own (tensor-parallel tests split heads and vocabulary)."""
     import transformers
     folder.mkdir()
     tok = write_tokenizer(folder)
     eos = tok.token_to_id("<|im_end|>")
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2,
                   eos_token_id=eos, bos_token_id=tok.token_to_id("<|endoftext|>"))
     if arch == "qwen3":  # tied embeddings, head_dim != hidden / heads, q/k norm
-        cfg = transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+        cfg = transformers.Qwen3Config(**common, num_key_value_heads=kv_heads or 2, head_dim=32, tie_word_embeddings=True)
         cls = transformers.Qwen3ForCausalLM
     elif arch == "qwen2":  # qkv bias, 1:1 heads
-        cfg = transformers.Qwen2Config(**common, num_key_value_heads=4, tie_word_embeddings=False)
+        cfg = transformers.Qwen2Config(**common, num_key_value_heads=kv_heads or 4, tie_word_embeddings=False)
         cls = transformers.Qwen2ForCausalLM
     else:  # GQA 4:1 and llama3 rope scaling that bites inside the test's lengths
-        cfg = transformers.LlamaConfig(**common, num_key_value_heads=1, rope_theta=500000.0, rope_scaling={
+        cfg = transformers.LlamaConfig(**common, num_key_value_heads=kv_heads or 1, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32})
         cls = transformers.LlamaForCausalLM

@@ -121,6 +121,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
     pytest.param("throughput --device cpu --model {tmp}/no-such-model", "does not exist", id="model-missing"),
     pytest.param(f"{SMALL} --model {{tmp}}", "--model and --shape both", id="model-and-shape"),
     pytest.param("checkpoint --shape tiny --device cpu", "give it with --out DIR", id="checkpoint-without-out"),
+    pytest.param(f"{SMALL} --dp", "--dp runs a whole model on each of torchrun's processes", id="dp-without-torchrun"),
     pytest.param("checkpoint --shape tiny --device cpu --out {tmp}", "is not an empty folder",
                  id="checkpoint-over-a-folder"),
 ])

@@ -359,8 +359,8 @@ def test_random_draws_afresh_every_step_and_per_kv_head():
     cache, *args = full_cache("random")
     pos = torch.arange(8).expand(1, 2, 8).clone()
     pos[..., 7] = 8  # the new token took slot 7
-    assert step(cache, *args) == random_score(pos, 0, torch.tensor([8])).argmin(-1)[0].tolist()
-    picks = [tuple(random_score(pos, 0, torch.tensor([t])).argmin(-1)[0].tolist()) for t in range(8, 40)]
+    assert step(cache, *args) == random_score(pos, 0, torch.arange(2), torch.tensor([8])).argmin(-1)[0].tolist()
+    picks = [tuple(random_score(pos, 0, torch.arange(2), torch.tensor([t])).argmin(-1)[0].tolist()) for t in range(8, 40)]
     assert len(set(picks)) > 8 and any(a != b for a, b in picks)
 
 
@@ -409,7 +409,8 @@ def test_prompt_compression_by_a_rule_keeps_what_decoding_with_it_would_keep(qwe
         model(prompt, torch.arange(90)[None], cache, rows=torch.tensor([0]), last=torch.tensor([89]))
         kept = set(cache.layers[0].pos[0, 0, :39].tolist())
         if policy == "random":  # per KV head, the step of the last prompt token
-            score = random_score(torch.arange(90).expand(1, model.cfg.n_kv_heads, 90), 0, torch.tensor([89]))
+            score = random_score(torch.arange(90).expand(1, model.cfg.n_kv_heads, 90), 0,
+                                 torch.arange(model.cfg.n_kv_heads), torch.tensor([89]))
             for h in range(model.cfg.n_kv_heads):
                 kept = set(cache.layers[0].pos[0, h, :39].tolist())
                 assert kept == set(score[0, h].topk(39).indices.tolist())
@@ -504,7 +505,7 @@ def test_fp8_cache_bytes_count_one_byte_a_value_and_two_scales_a_slot(qwen3):
     for policy in ("longflow", "rkv", "full"):
         cache = KVCache(cfg, 2, 40, "cpu", torch.float32, policy, kv_dtype=kernel.FP8)
         kept = [t for layer in cache.layers for name, t in vars(layer).items()
-                if name not in ("next_slot", "index") and t.numel() > 1]  # not the stand-ins of unused buffers
+                if name not in ("next_slot", "index", "heads") and t.numel() > 1]  # not the stand-ins of unused buffers
         assert KVCache.bytes_needed(cfg, 2, 40, torch.float32, cache.policy, kernel.FP8) == \
             sum(t.numel() * t.element_size() for t in kept)
 

@@ -1,0 +1,96 @@
+"""One rank of a tensor-parallel run on CPU processes (gloo), started by tests/test_parallel.py through
+torchrun: `python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py CHECKPOINT OUT`. Each rank
+writes what the test compares with one process (OUT.RANK, a torch.save file): the bytes it read from the
+safetensors files and the bytes of its parameters, the teacher-forced log-probabilities of the full cache,
+and for every policy the greedy tokens and the positions its cache holds at the end."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as model_module  # noqa: E402
+import parallel  # noqa: E402
+import tinyflow  # noqa: E402
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 8, "Hello world, hello tinyflow! " * 10]
+CONTINUATIONS = ["Please reason step by step.", "What is 2 + 3? The answer is 5."]
+# Every policy but knorm: it ranks by key norms, which RoPE leaves equal for a repeated token (greedy decoding
+# on these random weights repeats tokens), so its ties fall on the last bit of k, and a rank's smaller q/k/v
+# matrix product rounds differently from the whole one's
+RUNS = [("longflow", "snapkv"), ("longflow", "decode"), ("longflow-head", "snapkv"), ("tova", "decode"),
+        ("h2o", "snapkv"), ("vatp", "decode"), ("streaming", "snapkv"), ("keydiff", "decode"), ("rkv", "decode"),
+        ("random", "decode")]
+BUDGET, NEW_TOKENS = 64, 40  # prompts of 90-100 tokens: compressed, then evicting at every step
+
+
+def runs(llm) -> dict:
+    """For every (policy, prompt compression): the greedy tokens and each layer's final slot positions."""
+    done = {}
+    for policy, rule in RUNS:
+        llm.set_policy(BUDGET, policy, prompt_compression=rule)
+        outs = llm.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        done[policy, rule] = dict(tokens=[o.token_ids for o in outs],
+                                  pos=[layer.pos.clone() for layer in llm.engine.cache.layers])
+    return done
+
+
+def full_cache(llm) -> dict:
+    llm.set_policy(None)
+    scores = llm.score(PROMPTS, CONTINUATIONS)
+    outs = llm.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return dict(logprobs=[s.logprobs for s in scores], tokens=[o.token_ids for o in outs])
+
+
+class Counted:
+    """A safetensors file whose reads are counted (get_tensor, and the slices of get_slice)."""
+
+    def __init__(self, f, read: list):
+        self.f, self.read = f, read
+
+    def __enter__(self):
+        self.f = self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_tensor(self, name):
+        t = self.f.get_tensor(name)
+        self.read.append(t.nbytes)
+        return t
+
+    def get_slice(self, name):
+        return CountedSlice(self.f.get_slice(name), self.read)
+
+
+class CountedSlice:
+    def __init__(self, s, read: list):
+        self.s, self.read = s, read
+
+    def get_shape(self):
+        return self.s.get_shape()
+
+    def __getitem__(self, at):
+        t = self.s[at]
+        self.read.append(t.nbytes)
+        return t
+
+
+def main(checkpoint: str, out: str):
+    read = []
+    opener = model_module.safe_open
+    model_module.safe_open = lambda *a, **k: Counted(opener(*a, **k), read)
+    llm = tinyflow.LLM(checkpoint, device="cpu", compile=False)
+    model_module.safe_open = opener
+    result = dict(read=sum(read), params=sum(p.nbytes for p in llm.model.parameters()),
+                  kv_heads=llm.model.cfg.n_kv_heads, **full_cache(llm), runs=runs(llm))
+    torch.save(result, f"{out}.{parallel.rank()}")
+    parallel.stop()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
