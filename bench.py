@@ -852,8 +852,8 @@ def main():
         say(parallel.report(e))
         sys.exit(2)
     except torch.OutOfMemoryError:  # a --batch or --context too large for this GPU (the finished rows are kept)
-        print(f"error: out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave "
-              f"--batch out for the largest batch that fits", file=sys.stderr)
+        say(parallel.report(RuntimeError(f"out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or "
+                                         f"--context, or leave --batch out for the largest batch that fits")))
         sys.exit(2)
     except BrokenPipeError:  # `bench.py ... | head -1`
         reader_gone()

@@ -939,7 +939,7 @@ def main(argv=None):
         say(parallel.report(e))
         sys.exit(2)
     except MemoryError:  # before any check can run, e.g. the prompt copied for --batch-size 10**11
-        say(parallel.report(MemoryError("out of host memory; lower --batch-size, --max-new-tokens or --budget")))
+        say(parallel.report(RuntimeError("out of host memory; lower --batch-size, --max-new-tokens or --budget")))
         sys.exit(2)
     except KeyboardInterrupt:
         say("interrupted" if parallel.rank() == 0 else None)

@@ -27,11 +27,6 @@ import torch.distributed._functional_collectives as funcol
 all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-class SameEverywhere(ValueError):
-    """An error that every rank raises alike (a check of the common input, or rank 0's error handed to all):
-    rank 0 alone reports it."""
-
-
 @dataclass(frozen=True)
 class Group:
     """The processes one model is split over (tensor parallel): rank in 0 .. size-1. With size 1 every
@@ -86,8 +81,8 @@ class Group:
             return cfg
         for what, n in (("KV heads", cfg.n_kv_heads), ("MLP intermediate size", cfg.intermediate_size)):
             if n % self.size:
-                raise SameEverywhere(f"the model's {n} {what} do not split over {self.size} ranks; run with a "
-                                     f"tensor-parallel size that divides {n}")
+                raise ValueError(f"the model's {n} {what} do not split over {self.size} ranks; run with a "
+                                 f"tensor-parallel size that divides {n}")
         return replace(cfg, n_heads=cfg.n_heads // self.size, n_kv_heads=cfg.n_kv_heads // self.size,
                        intermediate_size=cfg.intermediate_size // self.size)
 
@@ -156,30 +151,31 @@ def barrier():
 
 def on_rank0(fn):
     """fn() run by rank 0 alone (reading a file, checking and writing one), its result handed to every rank;
-    its ValueError or FileNotFoundError is raised on every rank (as SameEverywhere), so that none is left
-    waiting for the others."""
+    its ValueError or OSError is raised on every rank (as a ValueError), so that none is left waiting for
+    the others."""
     if not dist.is_initialized():
         return fn()
     result = error = None
     if dist.get_rank() == 0:
         try:
             result = fn()
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, OSError) as e:
             error = str(e)
     box = [(result, error)]
     dist.broadcast_object_list(box, src=0)
     result, error = box[0]
     if error is not None:
-        raise SameEverywhere(error)
+        raise ValueError(error)
     return result
 
 
 def report(e: Exception) -> str | None:
-    """The line a rank prints for an error that ends it: rank 0 every error; under torchrun the others only
-    their own (an error of one rank alone, such as a damaged file of its own), marked with their rank."""
+    """The line a rank prints for an error that ends it: rank 0 every error; the others none for bad input
+    (ValueError, FileNotFoundError: every rank checks the same input, and rank 0 says what is wrong), and
+    their own failures (out of memory, say) marked with their rank."""
     if rank() == 0:
         return f"error: {e}"
-    if isinstance(e, SameEverywhere) or not dist.is_initialized():  # before joining: the same input checks
+    if isinstance(e, (ValueError, FileNotFoundError)):
         return None
     return f"error (rank {rank()}): {e}"
 

@@ -160,3 +160,9 @@ def test_a_prompt_file_rank_0_cannot_read_fails_every_rank_in_one_line(checkpoin
     assert r.returncode != 0 and errors == [f"error: cannot read prompt file {tmp_path / 'missing.txt'}: No such "
                                             f"file or directory"], r.stderr[-2000:]
     assert "Traceback" not in r.stderr.split("distributed/elastic")[0], "a rank died in a traceback"
+
+
+def test_bad_input_found_after_the_ranks_joined_is_said_once(tmp_path):
+    r = torchrun("generate.py", "--model", str(tmp_path / "no-such-model"), "--device", "cpu")
+    errors = [line for line in r.stderr.splitlines() if "error" in line and "does not exist" in line]
+    assert r.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: model path"), r.stderr[-2000:]
