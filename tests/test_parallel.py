@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def torchrun(*argv, n=2, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # one thread each on a small CI machine; inductor compiles in the process (no pool of compile workers)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                            "--master-port", str(free_port()), *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
