@@ -468,8 +468,10 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
     parallel.barrier()  # rank 0's merge is done before anyone reads what is done
     done = {(r["index"], r["sample"]) for r in read_rows(path)}
     todo = [(it, s) for s in range(protocol.samples) for it in items if (it["index"], s) not in done]
-    todo = todo[share[0]::share[1]]
     asked = [prompt_ids(llm.tokenizer, it, protocol) for it, _ in todo]
+    if dp and todo:  # every rank checks every prompt: one too long fails all ranks alike, and rank 0 says so
+        llm.engine.check_context([ids for _, ids, _ in asked], [protocol.max_new_tokens] * len(asked))
+    todo, asked = todo[share[0]::share[1]], asked[share[0]::share[1]]
     # a seed per (item, sample): a resumed run draws the same samples
     seeds = [seed + 1000003 * s + it["index"] for it, s in todo]
     stats, own = None, own_file(path, dp)

@@ -458,7 +458,7 @@ class Engine:
         if (budget is None) != (policy.rule == "fill"):
             raise ValueError(f"policy {policy.name or policy.rule!r} and budget {budget} do not go together: an "
                              f"evicting policy needs a budget, the full policy takes none")
-        self._check_context(prompts, limits)
+        self.check_context(prompts, limits)
         longest = max(map(len, prompts))
         if budget is None:  # no compression: room for every token
             budget = longest + max(limits)
@@ -489,7 +489,7 @@ class Engine:
                      self.model.tp.size * KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"],
                                                                self.kv_dtype))
 
-    def _check_context(self, prompts, limits):
+    def check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""
         limit = self.model.cfg.max_position_embeddings
         i = max(range(len(prompts)), key=lambda i: len(prompts[i]) + limits[i])

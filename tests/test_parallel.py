@@ -167,3 +167,16 @@ def test_bad_input_found_after_the_ranks_joined_is_said_once(tmp_path):
     r = torchrun("generate.py", "--model", str(tmp_path / "no-such-model"), "--device", "cpu")
     errors = [line for line in r.stderr.splitlines() if "error" in line and "does not exist" in line]
     assert r.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: model path"), r.stderr[-2000:]
+
+
+def test_data_parallel_eval_past_the_context_is_said_once_whichever_rank_holds_the_prompt(checkpoints, tmp_path):
+    """Every rank checks every prompt before taking its share, so a rank whose share alone is too long does
+    not fail silently while the others wait for it."""
+    data = tmp_path / "mini.jsonl"
+    rows = [{"index": 0, "question": "Hello?", "true_answer": "1"},  # rank 0's: fits
+            {"index": 1, "question": "Hello world, hello tinyflow! " * 40, "true_answer": "1"}]  # rank 1's: does not
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = torchrun("eval.py", "--dp", "--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs",
+                 "longflow:40", "--max-new-tokens", "200", "--device", "cpu", "--no-compile", "--out", str(tmp_path))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert r.returncode != 0 and len(errors) == 1 and "max_position_embeddings 512" in errors[0], r.stderr[-2000:]
