@@ -546,7 +546,7 @@ class ProgressBar:
 
     def __init__(self, total: int, name: str, unit: str = "gen"):
         self.bar = None
-        quiet = int(os.environ.get("RANK", "0")) > 0
+        quiet = not rank0()
         if not quiet:
             try:
                 from tqdm import tqdm
@@ -838,7 +838,7 @@ def write_fidelity_table(summaries: list[dict], out_dir: Path):
 
 def fidelity_main(argv):
     args = parse_fidelity_args(argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched():
         raise ValueError("eval.py fidelity runs in one process; start it without torchrun")
     check_fidelity_args(args)
     run_fidelity(args)
@@ -976,7 +976,7 @@ def main(argv=None):
     """`eval.py [options]`: accuracy on a benchmark; `eval.py fidelity [options]`: fidelity to the full cache.
     Bad input is one line on stderr and exit status 2, as argparse reports a bad option."""
     argv = sys.argv[1:] if argv is None else argv
-    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun rank 0 alone prints (and writes the results)
+    if not rank0():  # under torchrun rank 0 alone prints (and writes the results)
         sys.stdout = open(os.devnull, "w")
     try:
         if argv[:1] == ["fidelity"]:
@@ -989,20 +989,26 @@ def main(argv=None):
         interrupted("before generating anything; run the same command again (it keeps what earlier runs saved)")
 
 
+def rank0() -> bool:
+    """This process prints: it is rank 0 under torchrun, or alone. (Read from torchrun's variables, as
+    parallel.py does, without importing torch for it.)"""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def launched() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def fail(e: Exception):
-    """One line, whatever raised it; under torchrun rank 0's, and another rank's own errors (parallel.report)."""
-    if "parallel" in sys.modules:  # imported with the model: the ranks may have joined
-        line = sys.modules["parallel"].report(e)
-    else:  # not yet: every rank checks the same options, and rank 0 says what is wrong
-        line = f"error: {e}" if int(os.environ.get("RANK", "0")) == 0 else None
-    if line:
-        print(" ".join(line.splitlines()), file=sys.stderr)
+    """One line, whatever raised it (bad input, which every rank under torchrun meets alike: rank 0 says it)."""
+    if rank0():
+        print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
     sys.exit(2)
 
 
 def interrupted(what: str):
     """Ctrl-C: one line on stderr and exit status 130, as a shell reports an interrupted command."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0():
         print(f"\ninterrupted: {what}", file=sys.stderr)
     sys.exit(130)
 
@@ -1052,7 +1058,7 @@ def check_args(args):
     check_out(Path(args.out))
     Sampling.with_defaults({}, **chosen_protocol(args).sampling)  # those from the model are checked once it loads
     check_seed(args.seed)
-    if args.dp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if args.dp and not launched():
         raise ValueError("--dp shares the generations out among torchrun's processes: start eval.py with "
                          "torchrun --nproc-per-node N, or drop --dp")
     # grading imports math-verify at the first finished generation: too late to say it is missing

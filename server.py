@@ -31,6 +31,7 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 
 from cache import KV_DTYPES, resolve_policy
 from generate import Engine, Parser, Sampling, add_cache_options, check_policy_args, pick_device, positive_int
+import parallel
 from model import load
 
 try:
@@ -604,7 +605,7 @@ def port(text: str) -> int:
 
 def build(args) -> Server:
     check_policy_args(args)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one engine loop owns one GPU: nothing splits a model yet
+    if parallel.launched():  # one engine loop owns one GPU: nothing splits a model yet
         raise ValueError("server.py serves from one process on one GPU; start it without torchrun")
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype)

@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
+import socket  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -19,6 +20,13 @@ CHAT_TEMPLATE = (
     "{% endif %}")
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Please reason step by step.",
           "What is 2 + 3? The answer is 5.", "Hello world, hello tinyflow!"] * 20
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a server or torchrun started by a test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_tokenizer(folder):

@@ -14,7 +14,7 @@ import torch
 
 import parallel
 import tinyflow
-from conftest import write_checkpoint
+from conftest import free_port, write_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tp_worker  # noqa: E402
@@ -28,13 +28,6 @@ def torchrun(*argv, n=2, timeout=600):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                            "--master-port", str(free_port()), *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

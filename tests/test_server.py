@@ -3,7 +3,6 @@ checkpoint on the CPU. Every answer is checked against what LLM.generate gives t
 import concurrent.futures
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 import server as srv  # noqa: E402
 import tinyflow  # noqa: E402
+from conftest import free_port  # noqa: E402
 from model import load  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Running:
