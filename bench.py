@@ -859,6 +859,10 @@ def main():
         reader_gone()
     except KeyboardInterrupt:
         interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
+    except RuntimeError as e:
+        if not parallel.peer_gone(e):
+            raise
+        sys.exit(130)
     finally:
         parallel.stop()
 

@@ -987,6 +987,11 @@ def main(argv=None):
         fail(e)
     except KeyboardInterrupt:  # while starting up: the runs themselves report what they saved
         interrupted("before generating anything; run the same command again (it keeps what earlier runs saved)")
+    except RuntimeError as e:  # under torchrun: rank 0 stopped at Ctrl-C while this rank was in a collective
+        import parallel
+        if not parallel.peer_gone(e):
+            raise
+        sys.exit(130)
 
 
 def rank0() -> bool:

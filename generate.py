@@ -944,6 +944,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         say("interrupted" if parallel.rank() == 0 else None)
         sys.exit(130)
+    except RuntimeError as e:
+        if not parallel.peer_gone(e):
+            raise
+        sys.exit(130)
     except BrokenPipeError:
         reader_gone()
     finally:

@@ -17,6 +17,7 @@ the same in every head).
 """
 import datetime
 import os
+import signal
 from dataclasses import dataclass, replace
 
 import torch
@@ -122,7 +123,18 @@ def start(device: torch.device | None, data_parallel: bool = False) -> torch.dev
         nccl = device.type == "cuda" and not data_parallel
         dist.init_process_group("nccl" if nccl else "gloo", device_id=device if nccl else None,
                                 timeout=datetime.timedelta(days=7 if data_parallel else 0, minutes=30))
+        if dist.get_rank() > 0:  # Ctrl-C reaches every rank: rank 0 stops and says so, the others stop when
+            #                      their next collective finds it gone (see peer_gone)
+            signal.signal(signal.SIGINT, lambda *_: INTERRUPTED.append(True))
     return device
+
+
+INTERRUPTED = []  # on a rank after the first: Ctrl-C has reached it
+
+
+def peer_gone(e: BaseException) -> bool:
+    """A collective failed because rank 0 stopped at Ctrl-C: this rank ends quietly too (exit status 130)."""
+    return isinstance(e, RuntimeError) and bool(INTERRUPTED)
 
 
 def join(device: torch.device | None, data_parallel: bool = False) -> tuple[Group, torch.device | None]:
