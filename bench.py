@@ -468,7 +468,9 @@ def bench_long_prompt(args, hw: Machine, model):
     engine = new_engine(model, args)
     for name, budget in [("full", None), ("50%", args.prompt_len // 2), (f"budget {args.budget}", args.budget)]:
         reset_peak(args.device)
-        _, st = engine.generate(prompt, args.new_tokens, [], budget, "longflow" if budget else "full", seed=0)
+        with TokenBar(args.new_tokens, f"long-prompt, {name}") as bar:  # still at 0 during the prefill
+            _, st = engine.generate(prompt, args.new_tokens, [], budget, "longflow" if budget else "full", seed=0,
+                                    on_tokens=bar)
         finished(dict(workload="long-prompt", cache=name, kv_dtype=args.kv_dtype, prompt_tokens=args.prompt_len,
                       slots=st.slots,
                       prefill_s=st.prefill_s, decode_tokens_per_s=(args.new_tokens - 1) / st.decode_s,

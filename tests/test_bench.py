@@ -40,6 +40,7 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert all(row["real_ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0 for row in rows)
         else:
             assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
+            assert all(f"long-prompt, {cache}" in r.stderr for cache in ("full", "50%", "budget 40"))  # the bars
 
 
 def test_bench_transformers_baseline_runs_on_cpu(tmp_path):

@@ -306,8 +306,9 @@ def test_rkv_evicts_the_least_attended_neighbourhood_when_keys_are_alike():
 
 def test_rkv_score_matches_its_formula_with_the_whole_cosine_matrix():
     """rkv_score takes the mean similarity from the running sum of unit keys; here it is computed from the
-    n x n cosine matrix (diagonal left out), and importance from the queries directly."""
-    from cache import RKV_LAMBDA, RKV_POOL, rkv_score
+    n x n cosine matrix (diagonal left out), and importance from the queries directly, with the paper's
+    lambda = 0.1 and R-KV's pooling window of 7."""
+    from cache import rkv_score
     torch.manual_seed(0)
     cache = KVCache(Tiny, 1, 20, "cpu", torch.float32, resolve_policy("rkv", 40))
     c = cache.layers[0]
@@ -335,8 +336,8 @@ def test_rkv_score_matches_its_formula_with_the_whole_cosine_matrix():
         attention = alpha.mean(0)
         order = c.pos[0, h].argsort()
         pooled = torch.zeros(20)
-        pooled[order] = F.max_pool1d(attention[order][None], RKV_POOL, 1, RKV_POOL // 2)[0]
-        want = RKV_LAMBDA * pooled - (1 - RKV_LAMBDA) * redundancy
+        pooled[order] = F.max_pool1d(attention[order][None], 7, 1, 3)[0]
+        want = 0.1 * pooled - 0.9 * redundancy
         assert torch.allclose(got[h][scored], want[scored], atol=1e-6), h
 
 

@@ -75,6 +75,21 @@ def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_pat
     assert len(again) == len(lines) and json.loads(again[-1]) == rows[-1]
 
 
+def test_the_table_has_mean_tokens_beside_accuracy_and_the_plot_runs_from_0_to_1(checkpoints, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append((fig, path)))
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    run_eval(checkpoints, data, out)
+    rows = [json.loads(line) for line in (out / "mini_longflow_40.jsonl").read_text().splitlines()]
+    mean_tokens = sum(r["tokens"] for r in rows) / len(rows)
+    table = (out / "compare.md").read_text()
+    assert "| policy | budget | accuracy | mean tokens |" in table
+    assert f"| longflow | 40 | 0.000 | {mean_tokens:.0f} |" in table
+    ((fig, path),) = saved
+    assert path == out / "compare.png" and fig.axes[0].get_ylim() == (0, 1)
+
+
 def test_a_finished_run_run_again_keeps_its_measured_speed_and_kv_bytes(checkpoints, tmp_path):
     """The summary's tokens/s and KV bytes belong to the generations of that run: run again with nothing
     left to generate (after another policy generated), it keeps them, neither nulls nor the other's."""
@@ -91,17 +106,23 @@ def test_a_finished_run_run_again_keeps_its_measured_speed_and_kv_bytes(checkpoi
 
 def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_them(checkpoints, tmp_path,
                                                                                   monkeypatch, capsys):
-    """Ctrl-C while grading the third finished generation: the first two are already on disk, one line says
-    so and how to resume, and the resumed run adds the others once each."""
+    """Ctrl-C inside the engine, after two generations have finished and while the others still decode: those
+    two are already on disk, one line says so and how to resume, and the resumed run adds the others once each."""
+    import tinyflow
     data, out = write_data(tmp_path), tmp_path / "runs"
-    real_grade, calls = ev.grade, []
+    real_generate = tinyflow.LLM.generate
 
-    def grade_then_die(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_grade(*args)
-    monkeypatch.setattr(ev, "grade", grade_then_die)
+    def generate_then_interrupt(self, prompts, on_output=None, **kwargs):
+        finished = []
+
+        def on_output_then_ctrl_c(i, output):  # the engine calls this as each prompt ends
+            if on_output:
+                on_output(i, output)
+            finished.append(i)
+            if len(finished) == 2:
+                raise KeyboardInterrupt
+        return real_generate(self, prompts, on_output=on_output_then_ctrl_c, **kwargs)
+    monkeypatch.setattr(tinyflow.LLM, "generate", generate_then_interrupt)
     with pytest.raises(SystemExit) as stop:  # Ctrl-C: one line and exit status 130
         run_eval(checkpoints, data, out)
     assert stop.value.code == 130
@@ -109,7 +130,7 @@ def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_t
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (f"interrupted: 2 of 12 generations are saved in {out}; run the same command "
                                     "to resume with the rest")
-    monkeypatch.setattr(ev, "grade", real_grade)
+    monkeypatch.setattr(tinyflow.LLM, "generate", real_generate)
     run_eval(checkpoints, data, out)
     for name in ("mini_full_all.jsonl", "mini_longflow_40.jsonl"):
         rows = [json.loads(line) for line in (out / name).read_text().splitlines()]

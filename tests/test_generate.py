@@ -109,16 +109,17 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert apply_penalty(logits, seen, torch.tensor([2.0])).tolist() == [[1.0, -2.0, 3.0, 0.5]]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_greedy_with_repetition_penalty_equals_transformers(checkpoints, arch):
-    """transformers' generate(repetition_penalty=1.5), greedy: the same tokens. The penalty remembers the
-    prompt's ids and every generated one, in a refilled row as in a fresh one (batch 1, two prompts)."""
+@pytest.mark.parametrize("arch, compile", [("qwen3", False), ("qwen2", False), ("llama", False), ("qwen3", True)])
+def test_greedy_with_repetition_penalty_equals_transformers(checkpoints, arch, compile):
+    """transformers' generate(repetition_penalty=1.5), greedy: the same tokens, eager and through the compiled
+    step. The penalty remembers the prompt's ids and every generated one, in a refilled row as in a fresh one
+    (batch 1, two prompts)."""
     from transformers import AutoModelForCausalLM
     model, tok = load(str(checkpoints[arch]), torch.device("cpu"), torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[arch], torch_dtype=torch.float32).eval()
     prompts = [tok.encode("The quick brown fox jumps over the lazy dog"), tok.encode("Hello world")]
-    ours, _ = Engine(model, compile=False).generate(prompts, 30, [], sampling=generate.Sampling(repetition_penalty=1.5),
-                                                    batch_size=1)
+    ours, _ = Engine(model, compile=compile).generate(prompts, 30, [], batch_size=1,
+                                                      sampling=generate.Sampling(repetition_penalty=1.5))
     for prompt, out in zip(prompts, ours):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
                            repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):].tolist()
@@ -239,6 +240,18 @@ def test_command_line_batch_prints_every_sequence(checkpoints, capsys):
     code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--batch-size", "3",
                        "--max-new-tokens", "4", "--temperature", "1.0", "--no-compile")
     assert code == 0 and out.count("--- sequence") == 3
+
+
+def test_command_line_repetition_penalty_is_the_apis(checkpoints, capsys):
+    """--repetition-penalty reaches the step: greedy, the text LLM.generate(repetition_penalty=) gives."""
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), compile=False)
+    want, plain = (llm.generate(["Hello world"], max_new_tokens=16, temperature=0.0,
+                                repetition_penalty=r)[0].text for r in (1.5, 1.0))
+    assert want != plain  # the penalty changes these 16 tokens
+    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
+                       "--max-new-tokens", "16", "--temperature", "0", "--repetition-penalty", "1.5",
+                       "--no-compile")
+    assert code == 0 and out.startswith(want + "\n")
 
 
 def broken_checkpoint(checkpoints, tmp_path, edit_config=None, edit_weights=None):
