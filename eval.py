@@ -753,7 +753,7 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
                         next(s)
                     except StopIteration as stop:
                         results[i] = stop.value[0]
-            bar.update(engines[0].sync_every)
+            bar.update(min(engines[0].sync_every, total - bar.done))  # the estimate is never overshot
     if reference or any(math.isnan(x) for k in kl for text in k for x in text):
         raise RuntimeError("fidelity runs fell out of step with the full cache")
     return results[0], [(scores, kl[r]) for r, scores in enumerate(results[1:])]

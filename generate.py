@@ -358,7 +358,7 @@ class Interrupted(KeyboardInterrupt):
 @dataclass
 class Progress:
     """A run's outputs so far (per prompt) and its prefill time: what Interrupted reports."""
-    outs: list
+    outs: list | dict  # per prompt (a server's: by request number, while it runs)
     prefill_s: float = 0.0
 
 
@@ -559,7 +559,8 @@ class Engine:
         which requests to stop early (feed.stopped(i)) and is given each one's tokens (feed.progress(i, ids)
         at every sync, feed.finished(i, ids) at its end)."""
         self._prepare(batch_size, slots, policy, prompt_rule, "sample")
-        yield from self._run(Progress([]), [], [], [], [], [], None, feed.finished, None, None, feed)
+        # by request number, each forgotten once its request is done: a server runs for ever
+        yield from self._run(Progress({}), {}, {}, {}, {}, {}, None, feed.finished, None, None, feed)
 
     def _run(self, run: Progress, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations,
              on_dists, feed=None):
@@ -581,19 +582,21 @@ class Engine:
             if on_done:
                 on_done(p, outs[p])
             if feed:  # a server runs for ever: forget what it has handed over
-                prompts[p] = outs[p] = sampling[p] = eos[p] = None
+                for values in (prompts, outs, sampling, eos, limits, seed):
+                    del values[p]
 
-        steps_read = 0
+        steps_read = arrivals = 0  # arrivals: requests the feed has handed over
         while True:
             if feed:  # new requests; when nothing runs, this waits for one (None: the server stops)
                 arrived = feed.arrivals(idle=not waiting and all(p is None for p in serving))
                 if arrived is None:
                     return
                 for prompt, limit, ends, sample_with, sample_seed in arrived:
-                    waiting.append(len(prompts))
+                    waiting.append(arrivals)
                     for values, value in ((prompts, prompt), (limits, limit), (eos, ends), (sampling, sample_with),
                                           (seed, sample_seed), (outs, [])):
-                        values.append(value)
+                        values[arrivals] = value
+                    arrivals += 1
                 for p in [p for p in waiting if stopped(p)]:  # gone before they got a row: no prefill
                     waiting.remove(p)
                     release(None, p)

@@ -461,17 +461,20 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         """special: add what the tokenizer adds to the start of a text (BOS for Llama 3); not for a text
         that continues another."""
-        return self.tok.encode(text, add_special_tokens=special).ids
+        # encode_batch, unlike encode, lets go of the GIL while it works: a server's other threads (its HTTP
+        # handlers, its engine) keep running while a long prompt is tokenized (the same ids either way)
+        return self.tok.encode_batch([text], add_special_tokens=special)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def chat(self, messages: list[dict], enable_thinking=True) -> list[int]:
         # the template already wrote BOS and friends as text, so no special tokens are added here
-        return self.tok.encode(self.render(messages, enable_thinking), add_special_tokens=False).ids
+        return self.encode(self.render(messages, enable_thinking), special=False)
 
-    def render(self, messages: list[dict], enable_thinking=True) -> str:
-        """The conversation as the model's chat template writes it, ready for the assistant's turn."""
+    def render(self, messages: list[dict], enable_thinking=True, add_generation_prompt=True) -> str:
+        """The conversation as the model's chat template writes it, ready for the assistant's turn (unless
+        add_generation_prompt is False: then without what the template adds to open that turn)."""
         if self.template is None:
             raise ValueError("this model has no chat template (no chat_template.jinja, and none in "
                              "tokenizer_config.json): give it plain text instead of messages")
@@ -486,7 +489,8 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         try:
             return env.from_string(self.template).render(
-                messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **self.special)
+                messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                **self.special)
         except ValueError:  # raise_exception's, already a clear message
             raise
         except Exception as e:  # the template is a program from the checkpoint: any error is the template's

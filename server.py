@@ -55,10 +55,16 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": None}}
+
     def response(self):
-        body = {"message": self.message, "type": self.TYPES.get(self.status, "server_error"), "param": self.param,
-                "code": None}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+SHUTTING_DOWN = ApiError(503, "the server is shutting down: this request got no answer or an unfinished one; send "
+                               "it again")
 
 
 # ---- one request, as the engine thread and its HTTP handler share it ------------------------------------
@@ -76,12 +82,13 @@ class Job:
     sent: int = 0  # ids handed to the handler so far (engine thread only)
     stop: bool = False  # set by the handler: the client left, or a stop string ended the text
 
-    def push(self, ids: list[int] | None, finished: bool):
-        """Hand the ids not yet handed over (None: the engine failed) to the handler."""
-        new = None if ids is None else list(ids[self.sent:])
-        self.sent = self.sent if ids is None else len(ids)
+    def push(self, ids: list[int], finished: bool, failure: "ApiError | None" = None):
+        """Hand the ids not yet handed over to the handler; failure: why the answer ends unfinished (the
+        server is shutting down, the engine failed), which the handler answers instead of a completion."""
+        new = list(ids[self.sent:])
+        self.sent = max(self.sent, len(ids))
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (new, finished))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (new, finished, failure))
         except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
             pass
 
@@ -100,13 +107,22 @@ class Feed:
         self.ready = threading.Event()  # set once the decode step is compiled and the loop runs
 
     def submit(self, job: Job):
-        if self.closing:
-            raise ApiError(503, "the server is shutting down")
-        with self.lock:
+        with self.lock:  # with the check that closes: no request slips in after the last look at the inbox
+            if self.closing:
+                raise ApiError(503, "the server is shutting down")
             if self.waiting >= self.max_waiting:
                 raise ApiError(429, f"{self.max_waiting} requests are already waiting for a free row; retry later")
             self.waiting += 1
-        self.inbox.put(job)
+            self.inbox.put(job)
+
+    def close(self) -> list[Job]:
+        """No more requests; returns those still in the inbox."""
+        with self.lock:
+            self.closing = True
+            jobs = []
+            while not self.inbox.empty():
+                jobs.append(self.inbox.get())
+            return jobs
 
     def _moved(self, waiting: int, active: int):
         with self.lock:
@@ -121,8 +137,9 @@ class Feed:
             try:
                 jobs.append(self.inbox.get(timeout=SYNC_TICK) if idle else self.inbox.get_nowait())
             except queue.Empty:
-                if self.closing and idle:
-                    return None
+                with self.lock:
+                    if self.closing and idle and self.inbox.empty():
+                        return None
                 if not idle:
                     break
         while True:
@@ -132,8 +149,8 @@ class Feed:
                 break
         left = [job for job in jobs if job.stop or self.closing]  # clients gone while waiting, or shutting down
         self._moved(-len(left), 0)
-        for job in left:
-            job.push([], finished=True)
+        for job in left:  # the ones still there are told the server is going
+            job.push([], finished=True, failure=None if job.stop else SHUTTING_DOWN)
         jobs = [job for job in jobs if job not in left]
         for job in jobs:
             self.jobs[self.count] = job
@@ -152,7 +169,8 @@ class Feed:
     def finished(self, i: int, ids: list[int]):
         job = self.jobs.pop(i)
         self._moved(-1, 0) if job.sent == 0 else self._moved(0, -1)
-        job.push(ids, finished=True)
+        ended = job.stop or len(ids) >= job.max_tokens or (ids and ids[-1] in job.eos)
+        job.push(ids, finished=True, failure=None if ended else SHUTTING_DOWN)  # else the shutdown cut it
 
 
 # ---- text out: incremental decoding, reasoning, stop strings ---------------------------------------------
@@ -236,6 +254,16 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def check_text(text: str, name: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are no text a tokenizer can read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{name}' holds {text[e.start:e.end]!a}, a lone UTF-16 surrogate, which is not text",
+                       name) from None
+    return text
+
+
 def take(body: dict, name: str, check, what: str, default=None):
     """body[name] if present and not null, else default; checked with `check`, refused as `what` otherwise."""
     value = body.get(name)
@@ -262,7 +290,8 @@ def check_unsupported(body: dict, known: set):
     for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0),
                           ("logprobs", False), ("echo", False), ("top_logprobs", 0), ("logit_bias", {}),
                           ("tools", []), ("suffix", "")):
-        if body.get(name) not in (None, neutral):
+        value = body.get(name)  # the neutral value only, and of its kind: true is no n of 1, 0 no logprobs of false
+        if value is not None and not (isinstance(value, bool) == isinstance(neutral, bool) and value == neutral):
             raise ApiError(400, f"'{name}' other than {json.dumps(neutral)} is not supported by this server", name)
     for name in ("tool_choice", "response_format", "parallel_tool_calls"):
         if body.get(name) is not None:
@@ -297,12 +326,10 @@ class Server:
                 pass
         except BaseException as e:  # every handler is told, and the server stops (exit status 1)
             self.failed = e
-            self.feed.closing = True
-            jobs = list(self.feed.jobs.values())  # decoding, or waiting in the engine's own queue
-            while not self.feed.inbox.empty():  # and waiting to be handed over
-                jobs.append(self.feed.inbox.get())
+            # decoding, or waiting in the engine's own queue, and waiting to be handed over
+            jobs = list(self.feed.jobs.values()) + self.feed.close()
             for job in jobs:
-                job.push(None, finished=True)
+                job.push([], finished=True, failure=ApiError(500, "the engine loop failed; the server is stopping"))
             print(f"error: the engine loop failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self.uvicorn:
                 self.uvicorn.should_exit = True
@@ -327,6 +354,8 @@ class Server:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is JSON nested too deeply to read") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = take(body, "model", lambda m: isinstance(m, str), "a string")
@@ -408,22 +437,26 @@ class Server:
                       'an object {"enable_thinking": bool} (the only template option this server passes)', {})
         if self.tok.template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions with a plain prompt", "messages")
+        for m in messages:
+            check_text(m.get("content") or "", "messages")
+        enable = kwargs.get("enable_thinking", True)
         try:
-            ids = self.tok.chat(messages, kwargs.get("enable_thinking", True))
+            text = self.tok.render(messages, enable)
+            # what the template adds to open the assistant's turn: DeepSeek-R1's leaves <think> open there, so
+            # the answer starts inside the reasoning (a <think> the user wrote in a message does not count)
+            before = self.tok.render(messages, enable, add_generation_prompt=False) if self.thinking else ""
         except ValueError as e:  # the template itself refused the conversation, or has an error
             raise ApiError(400, str(e), "messages") from None
-        thinking = False
-        if self.thinking:  # a template that opens <think> for the model (DeepSeek-R1's) leaves it open
-            opened, closed = (max((i for i, t in enumerate(ids) if t == e), default=-1) for e in self.thinking)
-            thinking = opened > closed
-        return ids, thinking
+        opening = text[len(before):] if text.startswith(before) else text
+        thinking = bool(self.thinking) and opening.rfind("<think>") > opening.rfind("</think>")
+        return self.tok.encode(text, special=False), thinking
 
     def completion_prompt(self, body) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.tok.encode(prompt)
+            return self.tok.encode(check_text(prompt, "prompt"))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not all(0 <= t < self.model.cfg.vocab_size for t in prompt):
                 raise ApiError(400, f"token ids must be in [0, {self.model.cfg.vocab_size})", "prompt")
@@ -446,7 +479,9 @@ class Server:
             check_unsupported(body, CHAT if chat else COMPLETION)
             stream, usage = self.stream_options(body)
             stop = self.stop_strings(body)
-            prompt, thinking = self.chat_prompt(body) if chat else (self.completion_prompt(body), False)
+            # off the event loop: tokenizing a long prompt takes seconds, while other streams go on
+            prompt, thinking = await asyncio.to_thread(
+                self.chat_prompt if chat else lambda b: (self.completion_prompt(b), False), body)
             job = self.job(body, prompt, asyncio.get_running_loop())
             out = Output(self.tok, job.eos, stop, self.thinking if chat else None, thinking)
             self.feed.submit(job)
@@ -478,10 +513,6 @@ class Server:
 STARTED = int(time.time())
 
 
-class EngineFailed(Exception):
-    pass
-
-
 class Reply:
     """The response to one request: OpenAI's objects, whole or as server-sent-event chunks."""
 
@@ -493,10 +524,12 @@ class Reply:
     async def events(self):
         """(new text by part, finished) as the engine produces ids; the job stops once the output is done."""
         while True:
-            ids, finished = await self.job.events.get()
-            if ids is None:
-                raise EngineFailed("the engine loop failed; the server is stopping")
-            new = self.out.add(ids, finished, self.job.max_tokens)
+            ids, finished, failure = await self.job.events.get()
+            new = self.out.add(ids, finished and not failure, self.job.max_tokens)
+            if failure:  # the text so far, then the error: the client must not take this for a whole answer
+                if new:
+                    yield new, False
+                raise failure
             if self.out.finish and not finished:
                 self.job.stop = True  # a stop string: the engine frees the row at its next sync
             yield new, self.out.finish is not None
@@ -512,8 +545,8 @@ class Reply:
         try:
             async for _ in self.events():
                 pass
-        except EngineFailed as e:
-            return ApiError(500, str(e)).response()
+        except ApiError as e:  # shutting down (503) or the engine failed (500)
+            return e.response()
         finally:
             watch.cancel()
             self.job.stop = True
@@ -556,9 +589,8 @@ class Reply:
                     yield chunk([{"index": 0, **end, "logprobs": None, "finish_reason": self.out.finish}])
             if include_usage:
                 yield chunk([], usage=self.usage())
-        except EngineFailed as e:  # the headers are gone: the error travels as an event, as OpenAI's do
-            yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error", "param": None,
-                                                   "code": None}}) + "\n\n"
+        except ApiError as e:  # the headers are gone: the error travels as an event, as OpenAI's do
+            yield "data: " + json.dumps(e.body()) + "\n\n"
         finally:  # also when the client disconnects mid-stream (Starlette cancels this generator)
             self.job.stop = True
         yield "data: [DONE]\n\n"

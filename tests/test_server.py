@@ -234,6 +234,10 @@ BAD = [  # (what, body, status, param)
     ("two prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ("stream_options without stream", {"model": "tiny", "prompt": "Hi", "stream_options": {}}, 400,
      "stream_options"),
+    ("n true", {"model": "tiny", "prompt": "Hi", "n": True}, 400, "n"),  # true == 1 in Python, not in the API
+    ("logprobs 0", {"model": "tiny", "prompt": "Hi", "logprobs": 0}, 400, "logprobs"),  # OpenAI: the sampled one's
+    ("JSON nested too deeply", b"[" * 100000, 400, None),
+    ("a lone surrogate", b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, "prompt"),
 ]
 BAD_CHAT = [
     ("empty messages", {"model": "tiny", "messages": []}, 400, "messages"),
@@ -247,6 +251,7 @@ BAD_CHAT = [
     ("an unknown template option", {"model": "tiny", "messages": HELLO, "chat_template_kwargs": {"x": 1}}, 400,
      "chat_template_kwargs"),
     ("tools", {"model": "tiny", "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("a lone surrogate", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
 ]
 
 
@@ -319,6 +324,20 @@ def test_reasoning_goes_to_reasoning_content_and_the_answer_to_content(tok):
     assert opened.text == {"reasoning_content": "hmm", "content": "yes"} and opened.finish == "stop"
 
 
+def test_only_the_templates_own_opening_of_the_answer_starts_it_inside_think(tok):
+    """A <think> that a user writes is text, not the template opening the reasoning (as DeepSeek-R1's does)."""
+    import copy
+    from types import SimpleNamespace
+    thinking = tok.tok.token_to_id("<think>"), tok.tok.token_to_id("</think>")
+    asked = lambda t, text: srv.Server.chat_prompt(SimpleNamespace(tok=t, thinking=thinking),
+                                                   {"messages": [{"role": "user", "content": text}]})[1]
+    assert not asked(tok, "What does the <think> tag do?") and not asked(tok, "Hi")
+    r1 = copy.copy(tok)  # a DeepSeek-R1-like template: its assistant turn opens with <think>
+    r1.template = ("{% for m in messages %}<|User|>{{ m.content }}{% endfor %}"
+                   "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}")
+    assert asked(r1, "Hi") and asked(r1, "What does the </think> tag do?")
+
+
 def test_text_stream_pieces_add_up_to_decoding_everything(tok):
     ids = tok.encode("Hello world, hello tinyflow! The quick brown fox jumps over the lazy dog.", False)
     stream = srv.TextStream(tok)
@@ -355,7 +374,10 @@ def test_ctrl_c_with_streams_open_ends_them_and_exits_cleanly(model_dir):
     assert s.stop() == 0
     output = s.proc.stdout.read()
     assert "Traceback" not in output, output
-    assert [[line for line in x if line][-1] for x in lines[:2]] == ["data: [DONE]"] * 2  # each got its end
+    for x in lines:  # decoding or still waiting: no answer that looks whole, an error event, then the end
+        *_, error, done = [line for line in x if line]
+        assert done == "data: [DONE]" and json.loads(error.removeprefix("data: "))["error"]["type"] == \
+            "service_unavailable"
 
 
 def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
