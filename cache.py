@@ -431,10 +431,9 @@ class KVCache:
         cache). The policy's sinks and recent window stay whatever the rule. pos: [R, H_kv, T]. Returns
         indices into T [R, H_kv, n_keep], sorted, real tokens before padding."""
         p, R, H, T = self.policy, *k.shape[:3]
-        if self.prompt_rule == "streaming":
-            sinks = max(p.n_sink, 4)
-            return top_tokens(torch.where(pos < sinks, pos.max() + 1, pos).float(), pos, n_keep)
-        if self.prompt_rule == "snapkv":
+        if self.prompt_rule == "streaming":  # its 4 first tokens (or the policy's sinks), then the most recent
+            score = torch.where(pos < max(p.n_sink, 4), pos.max() + 1, pos).float()
+        elif self.prompt_rule == "snapkv":
             score = snapkv_score(q, k, pos[:, 0], p.per_head, self.tp)
         elif seed is not None:
             score = seed
@@ -535,7 +534,9 @@ def snapkv_score(q, k, positions, per_head: bool, tp: Group = SINGLE):
 def top_tokens(score, pos, n_keep: int):
     """Indices [R, H_kv, n_keep] of the highest-scoring real tokens (padding last), in prompt order."""
     score = score.masked_fill(pos < 0, float("-inf"))
-    return score.topk(n_keep, dim=-1).indices.sort(-1).values
+    # a stable sort, not topk: of tied scores the earlier tokens stay, whatever padding the prompt's batch adds
+    # (topk breaks ties in an order that changes with the padded length)
+    return score.sort(stable=True, dim=-1, descending=True).indices[..., :n_keep].sort(-1).values
 
 
 def argmin_slot(score, pos, p: Policy):

@@ -382,6 +382,10 @@ class Engine:
         if self.device.type == "cuda" and not kernel.HAS_TRITON:
             raise ValueError("decoding on CUDA runs Triton kernels and Triton is not installed: pip install triton "
                              "(on Windows: triton-windows), or run on the CPU")
+        head_dim = model.cfg.head_dim
+        if self.device.type == "cuda" and head_dim & (head_dim - 1):  # tl.arange over the head needs a power of 2
+            raise ValueError(f"the decode kernel needs a head_dim that is a power of two, and this model's is "
+                             f"{head_dim}: run it on the CPU (--device cpu), which decodes without the kernel")
         if self.device.type == "cuda" and kv_dtype == kernel.FP8:
             capability = torch.cuda.get_device_capability(self.device)
             if capability < (8, 9):  # Triton's float8 e4m3 starts with Ada and Hopper

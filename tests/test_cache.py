@@ -114,15 +114,35 @@ def test_long_prompt_is_compressed_to_budget_minus_one_keeping_the_last_32(qwen3
             assert sorted(p for p in pos[1, h].tolist() if p >= 0) == [0, 1, 2, 3]  # short row kept
 
 
-def test_snapkv_compression_keeps_the_policys_sinks_and_recent_window(qwen3):
-    """vatp protects its first 20 tokens and a recent window: SnapKV must not drop them from a long prompt."""
+@pytest.mark.parametrize("rule", ["snapkv", "streaming", "decode"])
+@pytest.mark.parametrize("name, n_sink, window", [("vatp", None, None), ("longflow", 0, 99)])
+def test_prompt_compression_keeps_the_policys_sinks_and_recent_window(qwen3, rule, name, n_sink, window):
+    """vatp protects its first 20 tokens and a recent window, longflow here a window of 99 in 100 slots: no
+    prompt rule may drop them from a long prompt (StreamingLLM's own 4 sinks give way to them)."""
     model, _ = qwen3
-    policy = resolve_policy("vatp", 64)
-    cache = KVCache(model.cfg, 1, 64, "cpu", torch.float32, policy)
-    model(torch.randint(0, 300, (1, 150)), torch.arange(150)[None], cache, rows=torch.tensor([0]),
-          last=torch.tensor([149]))
-    kept = set(cache.layers[0].pos[0, 0].tolist())
-    assert set(range(20)) | set(range(150 - policy.window, 150)) <= kept and len(kept - {-1}) == 63
+    budget = 64 if name == "vatp" else 100
+    policy = resolve_policy(name, budget, n_sink, window, prompt_rule=rule)
+    cache = KVCache(model.cfg, 1, budget, "cpu", torch.float32, policy, rule)
+    model(torch.randint(0, 300, (1, 200)), torch.arange(200)[None], cache, rows=torch.tensor([0]),
+          last=torch.tensor([199]))
+    for pos in (layer.pos for layer in cache.layers):
+        kept = set(pos[0, 0].tolist())
+        assert set(range(policy.n_sink)) | set(range(200 - policy.window, 200)) <= kept
+        assert len(kept - {-1}) == budget - 1
+
+
+def test_prompt_compression_keeps_the_same_tokens_of_a_tie_whatever_the_padding():
+    """Two tokens tie at the cut: the earlier one stays, alone or padded to a longer prompt of the batch
+    (torch.topk picks between ties by an order that changes with the length)."""
+    torch.manual_seed(0)
+    score = torch.rand(1, 1, 61)
+    score[0, 0, 41] = score[0, 0, 15]
+    n_keep = int((score > score[0, 0, 15]).sum()) + 1  # room for one of the two
+    pos = torch.arange(61)[None, None]
+    alone = top_tokens(score, pos, n_keep)
+    padded = top_tokens(torch.cat([score, torch.rand(1, 1, 100)], -1), torch.cat([pos, torch.full((1, 1, 100), -1)], -1),
+                        n_keep)
+    assert alone.tolist() == padded.tolist() and 15 in alone and 41 not in alone
 
 
 @pytest.mark.parametrize("name, n_sink, budget", [("vatp", None, 53), ("longflow", 30, 63), ("h2o", None, 33)])
