@@ -578,7 +578,8 @@ class Engine:
         waiting = deque(range(len(prompts)))
         token = (lambda r: r[0]) if continuations else (lambda r: r)
         stopped = feed.stopped if feed else lambda p: False
-        done = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos[p] or len(outs[p]) == limits[p] or stopped(p))
+        ended = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos[p] or len(outs[p]) == limits[p])
+        done = lambda p: ended(p) or stopped(p)
 
         def release(b, p):  # prompt p is done: hand its output over and free its row (if it had one)
             if b is not None:
@@ -642,8 +643,8 @@ class Engine:
                 if p is None:
                     continue
                 before = len(outs[p])
-                for r in new[b]:
-                    if not done(p):
+                for r in new[b]:  # up to its end; a row stopped early still keeps what this block decoded
+                    if not ended(p):
                         outs[p].append(r)
                 if on_dists:
                     on_dists(p, before, self.mode.dists[b, cols[:len(outs[p]) - before]])

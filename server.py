@@ -63,8 +63,9 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-SHUTTING_DOWN = ApiError(503, "the server is shutting down: this request got no answer or an unfinished one; send "
-                               "it again")
+def shutting_down() -> ApiError:  # a new one each time: a raised exception collects its traceback
+    return ApiError(503, "the server is shutting down: this request got no answer or an unfinished one; send it "
+                         "again")
 
 
 # ---- one request, as the engine thread and its HTTP handler share it ------------------------------------
@@ -121,7 +122,7 @@ class Feed:
             self.closing = True
             jobs = []
             while not self.inbox.empty():
-                jobs.append(self.inbox.get())
+                jobs.append(self.inbox.get_nowait())
             return jobs
 
     def _moved(self, waiting: int, active: int):
@@ -150,7 +151,7 @@ class Feed:
         left = [job for job in jobs if job.stop or self.closing]  # clients gone while waiting, or shutting down
         self._moved(-len(left), 0)
         for job in left:  # the ones still there are told the server is going
-            job.push([], finished=True, failure=None if job.stop else SHUTTING_DOWN)
+            job.push([], finished=True, failure=None if job.stop else shutting_down())
         jobs = [job for job in jobs if job not in left]
         for job in jobs:
             self.jobs[self.count] = job
@@ -170,7 +171,7 @@ class Feed:
         job = self.jobs.pop(i)
         self._moved(-1, 0) if job.sent == 0 else self._moved(0, -1)
         ended = job.stop or len(ids) >= job.max_tokens or (ids and ids[-1] in job.eos)
-        job.push(ids, finished=True, failure=None if ended else SHUTTING_DOWN)  # else the shutdown cut it
+        job.push(ids, finished=True, failure=None if ended else shutting_down())  # else the shutdown cut it
 
 
 # ---- text out: incremental decoding, reasoning, stop strings ---------------------------------------------
@@ -437,8 +438,10 @@ class Server:
                       'an object {"enable_thinking": bool} (the only template option this server passes)', {})
         if self.tok.template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions with a plain prompt", "messages")
-        for m in messages:
-            check_text(m.get("content") or "", "messages")
+        for m in messages:  # every text the template may write (role, content, reasoning_content, ...)
+            for value in m.values():
+                if isinstance(value, str):
+                    check_text(value, "messages")
         enable = kwargs.get("enable_thinking", True)
         try:
             text = self.tok.render(messages, enable)

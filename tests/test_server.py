@@ -404,3 +404,29 @@ def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
         filled.append(engine.cache.layers[0].next_slot[0, 0].item())  # the short request's row
     assert feed.ended == [2, 100] and len(filled) >= 6
     assert max(filled[1:]) <= engine.sync_every  # emptied at every sync, not filling with junk
+
+
+def test_a_request_that_ends_in_the_block_where_shutdown_begins_keeps_every_token(checkpoints):
+    """The shutdown stops rows at the next sync; a row whose last token is in the block read there has
+    ended by itself, keeps every token, and the handler is not told it was cut short."""
+    import generate
+    from cache import resolve_policy
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    engine = generate.Engine(model, compile=False)
+    limit = 1 + engine.sync_every  # the first token at prefill, the rest in the first block
+
+    class Feed:
+        given, closing, ended = False, False, []
+
+        def arrivals(self, idle):
+            if not self.given:
+                self.given = True
+                return [([1, 2, 3], limit, set(), generate.Sampling(), 0)]
+            return None if idle else []
+        stopped = lambda self, i: self.closing
+        progress = lambda self, i, ids: setattr(self, "closing", True)  # Ctrl-C after its first token
+        finished = lambda self, i, ids: self.ended.append(len(ids))
+    feed = Feed()
+    for _ in engine.serve(feed, 1, 64, resolve_policy(None, None)):
+        pass
+    assert feed.ended == [limit]
