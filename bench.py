@@ -159,17 +159,21 @@ def bench_kernel(args, hw: Machine, _):
         }
         # an FP8 cache: K and V as e4m3 bits (half the bytes) and an fp32 scale per slot for each
         fp8_sets = [(q, *kernel.quantize(k), *kernel.quantize(v), p, n) for q, k, v, p, n in sets]
-        fp8 = lambda q, k, ks, v, vs, p, n: kernel.decode_attention(q, k, v, p, vnorm=n, k_scale=ks, v_scale=vs)
+        fp8 = lambda q, k, ks, v, vs, p, n, **kw: kernel.decode_attention(q, k, v, p, vnorm=n, k_scale=ks, v_scale=vs,
+                                                                            **kw)
         fp8_bytes = 2 * B * Hkv * S * D + B * Hkv * S * (4 + 4 + 8)  # K, V e4m3; positions, ||v||_1, 2 scales
+        fp8_variants = {"longflow fp8": (fp8, fp8_bytes - kv_bytes),
+                        "no selection fp8": (lambda *a: fp8(*a, select=False), fp8_bytes - kv_bytes - vnorm_bytes)}
         for name, (fn, extra_bytes), inputs in [(name, v, sets) for name, v in variants.items()] + \
-                [("longflow fp8", (fp8, fp8_bytes - kv_bytes), fp8_sets)]:
+                [(name, v, fp8_sets) for name, v in fp8_variants.items()]:
             it = iter(range(10**9))
             t = graph_time(lambda: fn(*inputs[next(it) % n_sets]), reps=max(n_sets, 20))
             rows.append(dict(workload="kernel", variant=name, batch=B, slots=S, us=t * 1e6,
                              bandwidth_fraction=(kv_bytes + extra_bytes) / t / hw.bandwidth))
-        base = next(r["us"] for r in rows if r["batch"] == B and r["variant"] == "no selection")
+        us = {r["variant"]: r["us"] for r in rows if r["batch"] == B}
         for r in rows:
-            if r["batch"] == B:
+            if r["batch"] == B:  # the FP8 rows against attention alone over the FP8 cache
+                base = us["no selection fp8"] if r["variant"].endswith(" fp8") else us["no selection"]
                 r["vs_no_selection"] = r["us"] / base - 1
                 finished(r)
 

@@ -139,6 +139,7 @@ def _attend_kernel(
     key_ptr,  # [B, H_kv] i64: set here to the start of the finish kernel's atomic minimum, or -1 (no selection)
     limit_ptr,  # [B, H_kv] i64, with HAS_LIMIT: slots from limit on are empty and not even read
     ks_ptr, vs_ptr,  # [B, H_kv, S] f32 per-slot scales, with FP8 (k, v then hold e4m3 bits as uint8)
+    vtop_ptr,  # [B, H_kv] f32, with FP8: the largest value scale of each row, over all of its slots
     S, chunk,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s,
     ss_b, ss_h, ss_s,  # the strides of both scales
@@ -169,6 +170,8 @@ def _attend_kernel(
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     newest = tl.full([BLOCK_S], -1, tl.int32)
+    if FP8_KV:
+        top = tl.maximum(tl.load(vtop_ptr + b * H_KV + kvh), 1e-30)
     end = tl.minimum(split * chunk + chunk, S)
     if HAS_LIMIT:  # a cache that fills in order: the slots past the last token cost nothing
         end = tl.minimum(end, tl.load(limit_ptr + b * H_KV + kvh))
@@ -209,18 +212,20 @@ def _attend_kernel(
         e = tl.exp(s - m_new[:, None])
         corr = tl.exp(m - m_new)
         l = l * corr + tl.sum(e, axis=1)
-        if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the block's largest
-            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V. On
-            # the H200 (batch 64 / 256, 2026-12-01): 183 / 680 us; unscaled weights 160 / 608 us, but they
-            # are fp16 subnormals for small V and overflow past |v| ~ 3e7; one max over all of the
-            # program's scales before the loop (a pass over them) 191-196 / 723-744 us
-            top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+        if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the row's largest
+            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V (and
+            # a spread of 1e4 between the row's scales still leaves them well above fp16's subnormals). On the
+            # H200 (batch 64 / 256 / 383, 2026-12-02): 174 / 630-650 / 966 us; the block's largest scale taken
+            # in the loop 181 / 685 / 1,015-1,042 us; unscaled weights 160 / 608 us, but they are fp16
+            # subnormals for small V and overflow past |v| ~ 3e7
             weight = e * (v_scale / top)[None, :]
-            acc = acc * corr[:, None] + tl.dot(weight.to(vb.dtype), vb, input_precision="ieee") * top
+            acc = acc * corr[:, None] + tl.dot(weight.to(vb.dtype), vb, input_precision="ieee")
         else:
             acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
 
+    if FP8_KV:
+        acc *= top
     tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
     if SELECT:
         tl.store(newest_ptr + (b * H_KV + kvh) * n_split + split, tl.max(newest, axis=0))
@@ -407,7 +412,8 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         vnorm = l1_norm(dequantize(v, v_scale) if fp8 else v)  # [B, H_kv, S]
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
         q, k, v, pos, vnorm if value_norm else unused, out, m, l, o, logits, newest, key,
-        unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused, S, chunk,
+        unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused,
+        v_scale.amax(-1) if fp8 else unused, S, chunk,  # the row's largest value scale: one small reduction
         *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(vnorm.stride() if value_norm else (0,) * 3),
         *(k_scale.stride() if fp8 else (0,) * 3),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,

@@ -431,14 +431,17 @@ def test_fp8_reference_attends_the_values_the_cache_holds():
     assert torch.equal(evict.cpu(), torch.where(empty.any(-1), empty.int().argmax(-1), score.argmin(-1)).expand(2, 2))
 
 
-@pytest.mark.parametrize("size", [1.0, 0.002, 1e8])  # the largest |v|: small values make small weights,
-# large ones weights past fp16's range (65504) unless the kernel scales them down
-def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size):
+@pytest.mark.parametrize("size, spread", [(1.0, 1), (0.002, 1), (1e8, 1), (1.0, 1e4)])
+# size, the largest |v|: small values make small weights, large ones weights past fp16's range (65504) unless
+# the kernel scales them down; spread: the ratio between the row's largest and smallest value vectors
+def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size, spread):
     """With bf16 queries the kernel multiplies in fp16 (the GPU's path; the interpreter runs it too): its
     error against the reference stays that of bf16 outputs, also when V is small and every weight
-    e_i * scale_i would be an fp16 subnormal, or past fp16's largest value."""
+    e_i * scale_i would be an fp16 subnormal, or past fp16's largest value, and when the row's value scales
+    spread over four decades (the kernel divides the weights by the row's largest)."""
     q, k, v, pos = make_inputs(1, 8, 2, 1024, 64)
-    (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * size)
+    sizes = torch.logspace(-math.log10(spread), 0, 1024)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
+    (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * size * sizes[:, None].to(DEVICE))
     args, scales = (q.bfloat16(), k, v, pos), dict(k_scale=k_scale, v_scale=v_scale)
     out, evict = kernel.decode_attention(*args, **scales)
     want, want_evict = kernel.decode_attention_ref(*args, **scales)
