@@ -40,6 +40,7 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert all(row["real_ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0 for row in rows)
         else:
             assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
+            assert all(row["prefill_floor_fraction"] > 0 for row in rows)
             assert all(f"long-prompt, {cache}" in r.stderr for cache in ("full", "50%", "budget 40"))  # the bars
 
 
@@ -177,6 +178,18 @@ def test_the_floor_is_a_roofline_of_bytes_and_flops():
     assert bench.step_floor(timer, 40, memory_bound) == (pytest.approx(n_bytes / 1e9), [])
     compute_bound = bench.Machine(bandwidth=1e30, matmul_rate=1e9)
     assert bench.step_floor(timer, 40, compute_bound) == (pytest.approx(flops / 1e9), ["weights", "attention"])
+
+
+def test_the_prefill_floor_counts_every_layer_weight_and_the_causal_attention():
+    import bench
+    from generate import pick_device
+    device, dtype = pick_device("cpu", None)
+    model = bench.random_model(bench.Config.from_dict(bench.SHAPES["tiny"]), device, dtype)
+    # tiny: hidden 64, 4 query / 2 KV heads of 32, intermediate 128, 2 layers, Qwen3 (q/k norms of 32)
+    per_layer = 64 * 4 * 32 + 2 * 64 * 2 * 32 + 4 * 32 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 32
+    T = 100
+    flops = 2 * T * 2 * per_layer + 4 * 2 * 4 * 32 * (T * (T + 1) // 2)  # causal: T (T + 1) / 2 pairs a head
+    assert bench.prefill_floor(model, T, bench.Machine(bandwidth=1.0, matmul_rate=1e9)) == pytest.approx(flops / 1e9)
 
 
 def test_bench_checkpoint_writes_the_random_weights_as_a_folder_that_loads_exactly(tmp_path):
