@@ -393,6 +393,7 @@ class KVCache:
         c.pos[rows] = -1  # a reused row forgets its previous sequence
         if self.fp8:  # the prompt attended, and was compressed, at full precision; from here on the rules see
             #           the values the cache holds
+            c.v_scale[rows] = 0.0  # the kernel divides by the row's largest value scale: not an old sequence's
             (k_bits, k_scale), (v_bits, v_scale) = kernel.quantize(k), kernel.quantize(v)
             c.k[rows, :, :T], c.v[rows, :, :T] = k_bits, v_bits
             c.k_scale[rows, :, :T], c.v_scale[rows, :, :T] = k_scale, v_scale
@@ -479,7 +480,7 @@ def padding_last(positions):
 def prefill_attention(q, k, v):
     """Causal attention over right-padded prompts (each row of positions 0, 1, 2, ..., then padding -1, as
     the engine prefills them). q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]. No mask is needed: a real query's
-    earlier keys are all real, so SDPA's causal kernel (flash attention, which never holds T x T scores)
+    earlier keys are all real, so SDPA's causal kernel (a flash-attention kernel, never T x T scores)
     gives their outputs exactly; padding queries get finite outputs, which are discarded. (Transformer.forward
     checks the order, once for all layers: the check is a host sync.)"""
     group = q.shape[1] // k.shape[1]

@@ -413,7 +413,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
         q, k, v, pos, vnorm if value_norm else unused, out, m, l, o, logits, newest, key,
         unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused,
-        v_scale.amax(-1) if fp8 else unused, S, chunk,  # the row's largest value scale: one small reduction
+        v_scale.amax(-1).contiguous() if fp8 else unused, S, chunk,  # each row's largest value scale [B, H_kv]
         *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(vnorm.stride() if value_norm else (0,) * 3),
         *(k_scale.stride() if fp8 else (0,) * 3),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,

@@ -521,6 +521,19 @@ def test_fp8_key_sum_stays_the_sum_of_the_stored_unit_keys_in_a_bf16_model(check
         torch.testing.assert_close(layer.key_sum, unit_key_sum(stored, layer.pos), atol=1e-4, rtol=0)
 
 
+def test_a_reused_fp8_row_keeps_no_value_scale_of_its_previous_sequence(qwen3):
+    """The kernel divides the softmax weights by the row's largest value scale over all of its slots (empty
+    ones included): a refilled row must not keep a longer previous sequence's scales there."""
+    cfg = qwen3[0].cfg
+    cache = KVCache(cfg, 2, 40, "cpu", torch.float32, "longflow", kv_dtype=kernel.FP8)
+    layer, D = cache.layers[0], cfg.head_dim
+    for T, size in ((30, 1e4), (10, 1.0)):  # a long prompt of large values, then a short one in the same row
+        q = torch.randn(1, cfg.n_heads, T, D)
+        k, v = torch.randn(1, cfg.n_kv_heads, T, D), torch.randn(1, cfg.n_kv_heads, T, D) * size
+        cache.prefill(layer, q, k, v, torch.arange(T)[None], torch.tensor([1]))
+    assert (layer.v_scale[1, :, :10] > 0).all() and (layer.v_scale[1, :, 10:] == 0).all()
+
+
 def test_fp8_cache_bytes_count_one_byte_a_value_and_two_scales_a_slot(qwen3):
     cfg = qwen3[0].cfg
     for policy in ("longflow", "rkv", "full"):

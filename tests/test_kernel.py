@@ -431,23 +431,31 @@ def test_fp8_reference_attends_the_values_the_cache_holds():
     assert torch.equal(evict.cpu(), torch.where(empty.any(-1), empty.int().argmax(-1), score.argmin(-1)).expand(2, 2))
 
 
-@pytest.mark.parametrize("size, spread", [(1.0, 1), (0.002, 1), (1e8, 1), (1.0, 1e4)])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one_program_per_head"])
+@pytest.mark.parametrize("size, spread", [(1.0, 1), (0.002, 1), (1e8, 1), (1.0, 1e6)])
 # size, the largest |v|: small values make small weights, large ones weights past fp16's range (65504) unless
-# the kernel scales them down; spread: the ratio between the row's largest and smallest value vectors
-def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size, spread):
+# the kernel scales them down; spread: the ratio between a row's largest and smallest value vectors
+def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size, spread, split,
+                                                                                   monkeypatch):
     """With bf16 queries the kernel multiplies in fp16 (the GPU's path; the interpreter runs it too): its
     error against the reference stays that of bf16 outputs, also when V is small and every weight
-    e_i * scale_i would be an fp16 subnormal, or past fp16's largest value, and when the row's value scales
-    spread over four decades (the kernel divides the weights by the row's largest)."""
-    q, k, v, pos = make_inputs(1, 8, 2, 1024, 64)
-    sizes = torch.logspace(-math.log10(spread), 0, 1024)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
-    (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * size * sizes[:, None].to(DEVICE))
+    e_i * scale_i would be an fp16 subnormal, or past fp16's largest value, and when a row's value scales
+    spread over six decades (the kernel divides the weights by each row's largest). The two rows and two
+    KV heads hold values 1e5 apart, so a row divided by another's largest scale overflows or underflows."""
+    if not split:  # as at a large batch: one program per KV head, no partials to merge
+        monkeypatch.setattr(kernel, "_split_count", lambda *_: 1)
+    q, k, v, pos = make_inputs(2, 8, 2, 1024, 64)
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.logspace(-math.log10(spread), 0, 1024)[torch.randperm(1024, generator=g)]  # [S]
+    apart = torch.tensor([[1.0, 1e5], [1e-5, 1.0]])[:, :, None, None]  # [B, H_kv, 1, 1]
+    (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * (size * apart * sizes[:, None]).to(DEVICE))
     args, scales = (q.bfloat16(), k, v, pos), dict(k_scale=k_scale, v_scale=v_scale)
     out, evict = kernel.decode_attention(*args, **scales)
     want, want_evict = kernel.decode_attention_ref(*args, **scales)
     # the reference's own bf16 output rounding is ~2.2e-3 (relative to fp32); the kernel's fp16 products
-    # in the interpreter add up to ~2e-3 more
-    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 5e-3
+    # in the interpreter add up to ~2e-3 more. Each KV head's group apart: their sizes differ by 1e5
+    err = (out.float() - want.float()).view(2, 2, 4, 64).norm(dim=(2, 3)) / want.float().view(2, 2, 4, 64).norm(dim=(2, 3))
+    assert (err < 5e-3).all(), err
     assert torch.equal(evict, want_evict)
 
 
