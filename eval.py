@@ -21,6 +21,7 @@ import random
 import re
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -50,7 +51,8 @@ def load_dataset(name_or_path: str | Path) -> list[dict]:
         problem = row_problem(row)
         if problem:
             raise ValueError(f"{path}:{number}: {problem}")
-        rows.append({"index": len(rows), **row})
+        # the two fields and the index only: a row's own "system" or "suffix" must not override the protocol
+        rows.append({"index": row.get("index", len(rows)), "question": row["question"], "true_answer": row["true_answer"]})
     if not rows:
         raise ValueError(f"{path} has no rows; {fix}")
     check_unique_indices(path, rows)
@@ -100,6 +102,9 @@ def row_problem(row: dict) -> str | None:
         return f'"question" is {json_type(row["question"])}; it must be a string'
     if json_type(row["true_answer"]) not in ("a string", "a number"):
         return f'"true_answer" is {json_type(row["true_answer"])}; it must be a string or a number'
+    for key in ("question", "true_answer"):
+        if not str(row[key]).strip():
+            return f'"{key}" is empty; every row needs a question and the answer to grade against'
     if "index" in row and (isinstance(row["index"], bool) or not isinstance(row["index"], int)):
         return f'"index" is {json.dumps(row["index"])}; it must be a whole number, or left out'
     return None
@@ -185,13 +190,16 @@ def _closing_brace(text: str, begin: int) -> int | None:
 
 
 def extract_boxed(text: str, which: str = "last") -> str | None:
-    """The content of the last complete \\boxed{...} (or \\fbox{...}, or `\\boxed 5`), or of the first box;
-    None if none.
+    """The content of the last complete, non-empty \\boxed{...} (or \\fbox{...}, or `\\boxed 5`), or of the
+    first box; None if none.
 
-    A last box left open (a truncated generation) is skipped for the last one that closes."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)", text)]
-    # the first box, as the LongFlow scripts read it, counts even when it never closes (then: no answer)
-    for start in starts[:1] if which == "first" else reversed(starts):
+    A last box left open (a truncated generation) or left empty is skipped for the last one before it. The
+    first box is read as LongFlow's acc.py reads it: the first `\\boxed{` exactly, no answer if it never closes."""
+    if which == "first":
+        match = re.search(r"\\boxed\{", text)
+        end = _closing_brace(text, match.end() - 1) if match else None
+        return text[match.end():end] if end is not None else None
+    for start in reversed([m.end() for m in re.finditer(r"\\(?:boxed|fbox)", text)]):
         rest = text[start:]
         if not rest.lstrip().startswith("{"):
             word = re.match(r"\s+([^\s${}]+)", rest)  # `\boxed 5`: the next word is the answer
@@ -200,7 +208,7 @@ def extract_boxed(text: str, which: str = "last") -> str | None:
             continue
         begin = start + rest.index("{")
         end = _closing_brace(text, begin)
-        if end is not None:
+        if end is not None and text[begin + 1:end].strip():
             return text[begin + 1:end]
     return None
 
@@ -271,13 +279,13 @@ NUMBER_REL_TOL = 1e-4  # for non-integer references, which are rounded (Minerva:
 
 
 def _numbers_equal(reference: str, answer: str) -> bool | None:
-    """Plain numbers compare by value: exactly if the reference is an integer (AIME, GSM8K), else
+    """Plain numbers compare by value: exactly if the reference is a whole number (AIME, GSM8K, AMC's "27.0"), else
     within a relative tolerance. math-verify rounds to 6 decimals, which would equate 1.3e-27 with
     1.325e-27. None when either side is not a plain number."""
     ref, ans = _number(reference), _number(answer)
     if ref is None or ans is None:
         return None
-    if re.fullmatch(r"[+-]?\d+", reference):
+    if ref.is_integer():  # "27" or AMC's "27.0"
         return ans == ref
     return math.isclose(ans, ref, rel_tol=NUMBER_REL_TOL)
 
@@ -426,7 +434,7 @@ def read_rows(path: Path) -> list[dict]:
     text = read_text(path)
     if text and not text.endswith("\n"):
         text = text[:text.rfind("\n") + 1]
-        path.write_text(text)
+        os.truncate(path, len(text.encode()))  # cut in place: the complete rows are never rewritten
     fix = "delete that line (or the file) and run again to redo its generation"
     rows = []
     for number, row in json_lines(path, text, fix):
@@ -475,9 +483,11 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
     # a seed per (item, sample): a resumed run draws the same samples
     seeds = [seed + 1000003 * s + it["index"] for it, s in todo]
     stats, own = None, own_file(path, dp)
+    writing = [0.0]  # seconds spent grading and writing rows, inside the engine's timed loop: not generation
     if todo:
         with open(own or os.devnull, "a") as f, ProgressBar(len(todo), path.name) as bar:
             def write(i, out):
+                start = time.perf_counter()
                 (it, s), (conv, ids, cut) = todo[i], asked[i]
                 extra = {"depth": it["depth"], "needle_kept": needle_kept(llm, conv, it, ids)} \
                     if it.get("grade") == "needle" else {}
@@ -489,12 +499,13 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
                 }) + "\n")
                 f.flush()
                 bar.update(1, len(out.token_ids))
+                writing[0] += time.perf_counter() - start
 
             llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens, seed=seeds,
                          batch_size=batch_size, on_output=write, **sampling)
         stats = llm.stats
-    tokens, seconds = zip(*parallel.gather((stats.generated_tokens, stats.decode_s + stats.prefill_s) if stats
-                                           else (0, 0.0))) if dp else ((), ())
+    generating = stats.decode_s + stats.prefill_s - writing[0] if stats else 0.0
+    tokens, seconds = zip(*parallel.gather((stats.generated_tokens if stats else 0, generating))) if dp else ((), ())
     parallel.barrier()  # every rank's rows are written
     if parallel.rank() == 0:
         merge_rank_files(path)
@@ -508,7 +519,7 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
             # of the generations made now; None when nothing was left to generate (the caller keeps the last);
             # data parallel: every rank's tokens over the slowest rank's time
             "tokens_per_s": (sum(tokens) / max(seconds) if max(seconds) else None) if dp else
-            stats.generated_tokens / (stats.decode_s + stats.prefill_s) if stats else None,
+            stats.generated_tokens / generating if stats else None,
             "kv_bytes": stats.kv_bytes if stats else None, **needle_summary(rows)}
 
 
@@ -1113,6 +1124,7 @@ def run_main(args):
     runs = eval_runs(args.runs, proto)
     items = retrieval_items(30, args.retrieval_words, args.seed) if args.data == "retrieval" \
         else load_dataset(args.data)
+    digest = dataset_digest(items)  # of every row, so that a larger --limit resumes the same run
     items = items[:args.limit]
     out_dir = Path(args.out)
     paths = [run_file(out_dir, args.data, *run, kv_dtype=args.kv_dtype) for run in runs]
@@ -1124,7 +1136,7 @@ def run_main(args):
             locks.append(lock_run(path))
             for rows_file in [path, *rank_files(path)]:
                 read_rows(rows_file)
-        summaries = evaluate_runs(args, proto, runs, items, paths)
+        summaries = evaluate_runs(args, proto, runs, items, paths, digest)
         if parallel.rank() == 0:
             write_table(summaries, out_dir)
     except KeyboardInterrupt:
@@ -1151,8 +1163,15 @@ def eval_runs(specs: list[str], proto: Protocol) -> list[tuple[str, int | None, 
     return runs
 
 
-def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: list[Path]) -> list[dict]:
-    """Load the model once, then evaluate each run in turn; its summary is written as it ends."""
+def dataset_digest(items: list[dict]) -> str:
+    """sha256 of what a dataset asks and grades against: a run resumed after its file changed would mix
+    answers to two datasets."""
+    return hashlib.sha256(json.dumps([[i["index"], i["question"], i["true_answer"]] for i in items]).encode()).hexdigest()
+
+
+def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: list[Path], digest: str) -> list[dict]:
+    """Load the model once, check every run's settings against its files, then evaluate each run in turn;
+    its summary is written as it ends."""
     import tinyflow
     from generate import Sampling
     policy, budget, _ = runs[0]
@@ -1160,14 +1179,15 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,
                        allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype, data_parallel=args.dp)
     check_chat_template(llm, args.model)
+    sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
+    settings = dict(model=args.model, data=args.data, data_sha256=digest, protocol=args.protocol, system=proto.system,
+                    suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
+                    answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)
+    for path in paths:  # all of them before the first run: a refused one must not wait for the others to end
+        parallel.on_rank0(lambda: check_settings(path, settings))  # one writer of the settings file
     summaries = []
     for (policy, budget, rule), path in zip(runs, paths):
         llm.set_policy(budget, policy, prompt_compression=rule)
-        sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
-        settings = dict(model=args.model, data=args.data, protocol=args.protocol, system=proto.system,
-                        suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
-                        answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)
-        parallel.on_rank0(lambda: check_settings(path, settings))  # one writer of the settings file
         summary = evaluate(llm, items, path, proto, sampling, args.seed, args.batch_size, args.dp)
         summary_path = path.with_suffix(".summary.json")
         if summary["tokens_per_s"] is None:  # nothing generated now: keep what the run that generated measured

@@ -212,6 +212,39 @@ def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path, capsys):
     assert "was written with other settings" in refused(capsys, [*again, "--max-new-tokens", "12"])
 
 
+def test_resuming_after_the_dataset_changed_is_refused_before_any_run_generates(checkpoints, tmp_path, capsys,
+                                                                             monkeypatch):
+    """The rows would mix answers to the old questions (or graded against old answers) with new ones. The check
+    covers every run before the first generates: `full` is not redone for hours before `longflow:40` fails."""
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    run_eval(checkpoints, data, out)
+    data.write_text(data.read_text().replace('"true_answer": "7"', '"true_answer": "8"'))
+    (out / "mini_full_all.jsonl").unlink()  # full would have to generate again
+    generated = []
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: generated.append(a) or {})
+    err = refused(capsys, ["--model", checkpoints["qwen3"], "--data", data, "--runs", "full", "longflow:40",
+                           "--max-new-tokens", "12", "--samples", "2", "--out", out, "--device", "cpu", "--no-compile"])
+    assert "mini_longflow_40.jsonl was written with other settings" in err and not generated
+
+
+def test_a_cut_off_run_file_is_repaired_in_place_even_when_the_disk_is_full(tmp_path):
+    """A last line cut off mid-write is removed by shortening the file, never by writing it again, which a
+    full disk (here: a file-size limit below the file's size) would stop halfway, losing finished rows."""
+    import subprocess
+    import sys
+    path = tmp_path / "run.jsonl"
+    rows = [{"index": i, "sample": 0, "correct": True, "tokens": 5, "budget_full": False, "completion": "x" * 900}
+            for i in range(20)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text(whole + '{"index": 20, "sam')
+    script = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)); "
+              f"import eval; print(len(eval.read_rows(eval.Path({str(path)!r}))))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ev.Path(ev.__file__).parent, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "20", run.stderr[-2000:]
+    assert path.read_text() == whole
+
+
 def test_needle_prompts_are_never_cut_and_a_run_named_twice_runs_once(checkpoints, tmp_path):
     """The longflow protocol cuts prompts to 1,000 tokens, which would cut the haystack and its question;
     needle items opt out. `longflow` and `longflow:2048` under that protocol are one run (one lock, one file)."""

@@ -41,6 +41,23 @@ def test_load_dataset_accepts_a_jsonl_path_and_numbers_rows_without_an_index(tmp
                                           {"index": 7, "question": "2+2?", "true_answer": "4"}]
 
 
+def test_load_dataset_keeps_only_the_question_the_answer_and_the_index(tmp_path):
+    """A row's own fields (a "system" or "suffix", say) must not change how the protocol asks it."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "true_answer": "2", "system": "You grade.", "prompt_tokens": 8}))
+    assert ev.load_dataset(str(path)) == [{"index": 0, "question": "1+1?", "true_answer": "2"}]
+
+
+@pytest.mark.parametrize("row, says", [({"question": "1+1?", "true_answer": ""}, '"true_answer" is empty'),
+                                       ({"question": "1+1?", "true_answer": "  "}, '"true_answer" is empty'),
+                                       ({"question": " ", "true_answer": "2"}, '"question" is empty')])
+def test_load_dataset_refuses_an_empty_question_or_answer(tmp_path, row, says):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=f"bad.jsonl:1: {says}"):
+        ev.load_dataset(path)
+
+
 def test_load_dataset_names_an_unknown_dataset():
     with pytest.raises(ValueError, match="no_such_set"):
         ev.load_dataset("no_such_set")
@@ -160,6 +177,7 @@ WRONG = [  # (reference, answer in the box)
     ("204", "205"),
     ("14,000", "14"),
     ("27", "27.5"),
+    ("27.0", "27.00001"),  # AMC's whole numbers written "27.0" are exact too, not within a tolerance
     ("1,450,000", "1450001"),
     ("\\frac{1}{3}", "0.33"),
     ("\\pi", "3.14"),
@@ -200,6 +218,10 @@ def test_empty_box_grades_wrong():
     assert not ev.is_correct("so \\boxed{  }", "42")
 
 
+def test_an_empty_last_box_falls_back_to_the_one_before():
+    assert ev.extract_boxed("so \\boxed{42}, and the template says \\boxed{}") == "42"
+
+
 def test_the_last_box_counts():
     assert ev.is_correct("first \\boxed{41}, on reflection \\boxed{42}", "42")
     assert not ev.is_correct("first \\boxed{42}, on reflection \\boxed{41}", "42")
@@ -235,6 +257,9 @@ def test_an_unclosed_last_box_falls_back_to_the_last_closed_one():
     two = "\\boxed{3} then \\boxed{4}"
     assert ev.is_correct(two, "3", "first") and not ev.is_correct(two, "3")
     assert ev.extract_boxed("\\boxed{3 then \\boxed{4}", "first") is None  # acc.py: a first box that never closes
+    # acc.py looks for the first "\\boxed{" exactly: a mention without braces, or an \\fbox, is not it
+    assert ev.extract_boxed("the answer goes in \\boxed at the end: \\boxed{5}", "first") == "5"
+    assert ev.extract_boxed("\\fbox{4} then \\boxed{5}", "first") == "5"
     assert ev.extract_boxed("\\boxed{\\frac{1}{2}") is None
 
 
