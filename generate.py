@@ -33,7 +33,8 @@ from model import MLP_TOKENS, Transformer, load
 def uniform_noise(seeds, positions, vocab: int):
     """Uniform (0, 1) noise [B, vocab] that depends only on (seed, position, token id): the same prompt
     and seed give the same sample in any batch, on any device, with no generator state to capture."""
-    row = hash32(seeds * 0x9E3779B1 + positions)  # [B]
+    # the seed's high 32 bits folded in (hash32(0) = 0: seeds below 2^32 draw what they always drew)
+    row = hash32((seeds * 0x9E3779B1 + positions) ^ hash32(seeds >> 32))  # [B]
     x = hash32(row[:, None] * 0x85EBCA77 + torch.arange(vocab, device=seeds.device))  # [B, V]
     return ((x >> 8).float() + 0.5) / 2**24  # top 24 bits: exact in fp32, never 0 or 1
 
@@ -61,6 +62,7 @@ def sample(logits, seeds, positions, temperature, top_k, top_p):
     # top-p: a token goes once the more likely tokens before it already cover top_p
     probs = ordered.masked_fill(~kept, float("-inf")).softmax(-1)
     kept &= (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1)  # fp32 sums reach 1 early
+    kept[:, 0] = True  # the most likely token always stays (a top_p that rounds to 0 in fp32 would keep none)
     # both cut the sorted row: what stays is every logit down to the last kept one (ties with it too)
     lowest = ordered.gather(1, kept.sum(-1, keepdim=True) - 1)  # [B, 1]
     probs = scaled.masked_fill(scaled < lowest, float("-inf")).softmax(-1)
@@ -96,11 +98,13 @@ class Sampling:
         # below 1e-6, logits / temperature can overflow to inf and the softmax to NaN
         if not (number(self.temperature) and (self.temperature == 0 or self.temperature >= 1e-6)
                 and number(self.top_p) and 0 < self.top_p <= 1
-                and is_int(self.top_k) and self.top_k >= 0):
-            raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 and "
-                             f"0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
-        if not (number(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition penalty must be a number > 0 (1: none), got {self.repetition_penalty!r}")
+                and is_int(self.top_k) and 0 <= self.top_k < 2**63):
+            raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 (below 2^63) "
+                             f"and 0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
+        # fp32 holds it (and its inverse) as a normal number: 1e-300 would be 0 there, and the logits inf
+        if not (number(self.repetition_penalty) and 1e-30 <= self.repetition_penalty <= 1e30):
+            raise ValueError(f"repetition penalty must be a number from 1e-30 to 1e30 (1: none), got "
+                             f"{self.repetition_penalty!r}")
 
     @classmethod
     def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None,
@@ -898,6 +902,12 @@ def run(args):
                     kv_dtype=KV_DTYPES[args.kv_dtype])
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
     sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    unused = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+              if value is not None and sampling.temperature == 0]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} only {'apply' if len(unused) > 1 else 'applies'} when sampling, and this "
+                         f"decodes greedily (temperature 0{'' if args.temperature is not None else ', the model default'}"
+                         f"): add --temperature T (> 0) or drop {'them' if len(unused) > 1 else 'it'}")
     printed = []
 
     def stream(new_ids, last=False):  # print the text decoded so far, past what is already on screen

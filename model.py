@@ -452,7 +452,9 @@ class Tokenizer:
         gen = generation_defaults(gen, os.path.join(folder, "generation_config.json"))
         eos = gen.get("eos_token_id", cfg.eos_token_id)
         self.eos_ids = eos if isinstance(eos, list) else [eos]
-        self.defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
+        # sampling as transformers samples: its defaults (temperature 1, top-k 50, top-p 1) for what the file
+        # leaves out; without do_sample, greedy
+        self.defaults = {k: gen.get(k, default) for k, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 50))}
         if not gen.get("do_sample", False):
             self.defaults = {"temperature": 0.0}
         if "repetition_penalty" in gen:  # applies to greedy decoding too
@@ -463,6 +465,11 @@ class Tokenizer:
         that continues another."""
         # encode_batch, unlike encode, lets go of the GIL while it works: a server's other threads (its HTTP
         # handlers, its engine) keep running while a long prompt is tokenized (the same ids either way)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from bytes that were not UTF-8): tokenizers cannot take it
+            raise ValueError("the text is not valid Unicode (it holds a lone surrogate, as bytes that are not UTF-8 "
+                             "become); give UTF-8 text") from None
         return self.tok.encode_batch([text], add_special_tokens=special)[0].ids
 
     def decode(self, ids: list[int]) -> str:

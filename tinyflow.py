@@ -74,6 +74,9 @@ class LLM:
     def set_policy(self, budget: int | None, policy: str | None = None, sinks: int | None = None,
                    window: int | None = None, prompt_compression: str = "snapkv"):
         """Switch budget and policy for later calls, keeping the loaded model (arguments as in __init__)."""
+        if budget is None and prompt_compression != "snapkv":
+            raise ValueError(f"prompt_compression={prompt_compression!r} applies to a cache with a budget: give "
+                             f"budget= or leave it out")
         self.policy = resolve_policy(policy, budget, sinks, window, prompt_compression)
         self.budget, self.prompt_rule = budget, prompt_compression
 

@@ -67,6 +67,17 @@ def test_a_config_file_of_the_wrong_shape_is_one_clear_line(checkpoints, tmp_pat
     one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")[::2], message)
 
 
+def test_do_sample_without_settings_samples_with_transformers_defaults(checkpoints, tmp_path):
+    """generation_config.json with do_sample and nothing else samples (temperature 1, top-k 50, top-p 1, as
+    transformers does), instead of decoding greedily."""
+    folder = copy_of(checkpoints, tmp_path)
+    edit_json(folder, "generation_config.json", lambda c: {"do_sample": True, "top_p": 0.9})
+    tok = load(str(folder), torch.device("cpu"), torch.float32)[1]
+    assert tok.defaults == {"temperature": 1.0, "top_p": 0.9, "top_k": 50}
+    edit_json(folder, "generation_config.json", lambda c: {"temperature": 0.7})  # no do_sample: greedy
+    assert load(str(folder), torch.device("cpu"), torch.float32)[1].defaults == {"temperature": 0.0}
+
+
 def test_null_in_generation_config_and_config_means_not_set(checkpoints, tmp_path, capsys):
     folder = copy_of(checkpoints, tmp_path)
     edit_json(folder, "generation_config.json", update(do_sample=True, temperature=None, top_p=None))
@@ -119,7 +130,12 @@ def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, t
     (["--prompt-compression", "streaming"], "--prompt-compression only applies"),
     (["--policy", "full", "--budget", "64"], "--policy full keeps every token: drop --budget"),
     (["--policy", "full", "--sinks", "2"], "--policy full keeps every token: drop --sinks"),
-    (["--seed", "99999999999999999999999"], "seeds must fit in 64 bits"),
+    (["--seed", "99999999999999999999999", "--temperature", "1"], "seeds must fit in 64 bits"),
+    (["--top-p", "0.5"], "--top-p only applies when sampling, and this decodes greedily (temperature 0, the model"),
+    (["--seed", "3", "--top-k", "5", "--temperature", "0"], "--top-k, --seed only apply when sampling"),
+    (["--repetition-penalty", "1e-300"], "repetition penalty must be a number from 1e-30 to 1e30"),
+    (["--temperature", "1", "--top-k", "100000000000000000000"], "an integer top-k >= 0 (below 2^63)"),
+    (["--prompt", "caf\udcff"], "the text is not valid Unicode (it holds a lone surrogate"),
     (["--max-new-tokens", "600"], "positions, past the model's max_position_embeddings 512"),
     (["--sinks", "-1", "--budget", "64"], "expected a non-negative integer"),
 ])

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import generate
 import tinyflow
-from generate import Engine, apply_penalty, sample
-from cache import POLICIES
+from generate import Engine, apply_penalty, sample, uniform_noise
+from cache import POLICIES, hash32
 from model import Config, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,6 +98,20 @@ def test_top_p_keeps_the_smallest_set_covering_p():
     assert draws == {0, 1}
 
 
+def test_a_top_p_that_rounds_to_zero_in_fp32_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    assert {draw(logits, 0, i, 1.0, 0, 1e-50).item() for i in range(20)} == {1}
+
+
+def test_every_bit_of_a_64_bit_seed_counts_and_seeds_below_2_32_draw_as_before():
+    logits = torch.zeros(1, 1000)  # uniform: the draw is the noise's argmax
+    draws = lambda seed: [draw(logits, seed, i, 1.0, 0, 1.0).item() for i in range(8)]
+    assert draws(0) != draws(2**32) and draws(-1) != draws(2**32 - 1) and draws(5) != draws(5 + 2**40)
+    seeds, positions = torch.tensor([5, 2**32 - 1]), torch.tensor([3, 3])
+    before = hash32(hash32(seeds * 0x9E3779B1 + positions)[:, None] * 0x85EBCA77 + torch.arange(1000))  # 32-bit
+    assert torch.equal(uniform_noise(seeds, positions, 1000), ((before >> 8).float() + 0.5) / 2**24)
+
+
 def test_top_k_keeps_ties_with_the_kth_logit():
     logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
     assert {draw(logits, 0, i, 10.0, 2, 1.0).item() for i in range(300)} == {0, 1, 2}
@@ -164,7 +178,11 @@ def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
         tinyflow.LLM(str(checkpoints["qwen2"]), budget=0)
     with pytest.raises(ValueError, match="unknown policy"):
         tinyflow.LLM(str(checkpoints["qwen2"]), budget=64, policy="nope")
+    with pytest.raises(ValueError, match="prompt_compression='streaming' applies to a cache with a budget"):
+        tinyflow.LLM(str(checkpoints["qwen2"]), prompt_compression="streaming")  # not silently ignored
     llm = tinyflow.LLM(str(checkpoints["qwen2"]), compile=False)
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate(["caf\udcff"])
     with pytest.raises(ValueError, match="max_new_tokens"):
         llm.generate(["Hi"], max_new_tokens=0)
     with pytest.raises(ValueError, match="empty prompt"):
