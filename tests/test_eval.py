@@ -362,7 +362,7 @@ def test_a_data_file_that_is_not_utf8_or_is_a_folder_is_named(checkpoints, tmp_p
     (["--temperature", "-1"], "sampling needs temperature 0"),
     (["--top-p", "0"], "sampling needs temperature 0"),
     (["--top-k", "-1"], "sampling needs temperature 0"),
-    (["--repetition-penalty", "0"], "repetition penalty must be a number > 0"),
+    (["--repetition-penalty", "0"], "repetition penalty must be a number from 1e-30 to 1e30"),
     (["--seed", str(2**70)], "--seed 1180591620717411303424 is too large"),
 ])
 def test_numbers_that_cannot_work_are_refused_before_the_model_loads(checkpoints, tmp_path, capsys, no_model,
