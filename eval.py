@@ -285,7 +285,7 @@ def _numbers_equal(reference: str, answer: str) -> bool | None:
     ref, ans = _number(reference), _number(answer)
     if ref is None or ans is None:
         return None
-    if ref.is_integer():  # "27" or AMC's "27.0"
+    if re.fullmatch(r"[+-]?\d+(\.0+)?", reference):  # "27" or AMC's "27.0"; not a rounded "3.83e35"
         return ans == ref
     return math.isclose(ans, ref, rel_tol=NUMBER_REL_TOL)
 
@@ -431,10 +431,10 @@ def read_rows(path: Path) -> list[dict]:
     damaged line is an error naming the file and line."""
     if not path.exists():
         return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        os.truncate(path, data.rfind(b"\n") + 1)  # cut in place (bytes: \r\n too): complete rows are never rewritten
     text = read_text(path)
-    if text and not text.endswith("\n"):
-        text = text[:text.rfind("\n") + 1]
-        os.truncate(path, len(text.encode()))  # cut in place: the complete rows are never rewritten
     fix = "delete that line (or the file) and run again to redo its generation"
     rows = []
     for number, row in json_lines(path, text, fix):
@@ -616,7 +616,10 @@ def needle_summary(rows: list[dict]) -> dict:
 def check_settings(path: Path, settings: dict):
     """Resume a run only with the settings it was started with, so one file never mixes two runs."""
     saved = path.with_suffix(".settings.json")
-    if path.exists() and saved.exists() and read_json(saved) != settings:  # unreadable: other settings too
+    before = read_json(saved) if path.exists() and saved.exists() else settings
+    if isinstance(before, dict) and "data_sha256" not in before:  # written before the data's digest was kept:
+        before = dict(before, data_sha256=settings["data_sha256"])  # the other settings decide
+    if before != settings:  # unreadable: other settings too
         raise ValueError(f"{path} was written with other settings ({read_text(saved).strip()}); "
                          f"use another --out or delete it")
     path.parent.mkdir(parents=True, exist_ok=True)

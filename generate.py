@@ -33,7 +33,7 @@ from model import MLP_TOKENS, Transformer, load
 def uniform_noise(seeds, positions, vocab: int):
     """Uniform (0, 1) noise [B, vocab] that depends only on (seed, position, token id): the same prompt
     and seed give the same sample in any batch, on any device, with no generator state to capture."""
-    # the seed's high 32 bits folded in (hash32(0) = 0: seeds below 2^32 draw what they always drew)
+    # the seed's high 32 bits folded in (hash32(0) = 0: seeds 0 to 2^32 - 1 draw what they always drew)
     row = hash32((seeds * 0x9E3779B1 + positions) ^ hash32(seeds >> 32))  # [B]
     x = hash32(row[:, None] * 0x85EBCA77 + torch.arange(vocab, device=seeds.device))  # [B, V]
     return ((x >> 8).float() + 0.5) / 2**24  # top 24 bits: exact in fp32, never 0 or 1
@@ -894,13 +894,6 @@ def run(args):
     if not text.strip():
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
     model, tok = load(args.model, device, dtype, tp)
-    if args.chat and tok.template is None:
-        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
-    chat = tok.template is not None if args.chat is None else args.chat
-    ids = tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
-    engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
-                    kv_dtype=KV_DTYPES[args.kv_dtype])
-    batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
     sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     unused = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
               if value is not None and sampling.temperature == 0]
@@ -908,6 +901,13 @@ def run(args):
         raise ValueError(f"{', '.join(unused)} only {'apply' if len(unused) > 1 else 'applies'} when sampling, and this "
                          f"decodes greedily (temperature 0{'' if args.temperature is not None else ', the model default'}"
                          f"): add --temperature T (> 0) or drop {'them' if len(unused) > 1 else 'it'}")
+    if args.chat and tok.template is None:
+        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
+    chat = tok.template is not None if args.chat is None else args.chat
+    ids = tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
+    engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
+                    kv_dtype=KV_DTYPES[args.kv_dtype])
+    batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
     printed = []
 
     def stream(new_ids, last=False):  # print the text decoded so far, past what is already on screen

@@ -218,6 +218,10 @@ def test_resuming_after_the_dataset_changed_is_refused_before_any_run_generates(
     covers every run before the first generates: `full` is not redone for hours before `longflow:40` fails."""
     data, out = write_data(tmp_path), tmp_path / "runs"
     run_eval(checkpoints, data, out)
+    settings = out / "mini_longflow_40.settings.json"  # a run from before the data's digest was kept resumes
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "data_sha256"}))
+    run_eval(checkpoints, data, out)
+    assert "data_sha256" in json.loads(settings.read_text())
     data.write_text(data.read_text().replace('"true_answer": "7"', '"true_answer": "8"'))
     (out / "mini_full_all.jsonl").unlink()  # full would have to generate again
     generated = []
@@ -243,7 +247,25 @@ def test_a_cut_off_run_file_is_repaired_in_place_even_when_the_disk_is_full(tmp_
     run = subprocess.run([sys.executable, "-c", script], cwd=ev.Path(ev.__file__).parent, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "20", run.stderr[-2000:]
     assert path.read_text() == whole
+    # a file edited on Windows: its complete rows end in \r\n, and none of them is cut
+    path.write_bytes(whole.replace("\n", "\r\n").encode() + b'{"index": 20, "sam')
+    assert len(ev.read_rows(path)) == 20 and len(ev.read_rows(path)) == 20
 
+
+def test_tokens_per_s_leaves_out_the_time_spent_grading_and_writing_rows(checkpoints, tmp_path, monkeypatch):
+    import time
+    from dataclasses import asdict, replace
+
+    import tinyflow
+    from generate import Sampling
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    slow = lambda text, which="last": time.sleep(0.3)  # grading that takes a while, inside the engine's loop
+    monkeypatch.setattr(ev, "extract_boxed", slow)
+    proto = replace(ev.PROTOCOLS["default"], max_new_tokens=6, samples=1)
+    items = ev.load_dataset(write_data(tmp_path))
+    summary = ev.evaluate(llm, items, tmp_path / "run.jsonl", proto, asdict(Sampling()), 0)
+    st = llm.stats
+    assert summary["tokens_per_s"] >= st.generated_tokens / (st.decode_s + st.prefill_s - 3 * 0.3)
 
 def test_needle_prompts_are_never_cut_and_a_run_named_twice_runs_once(checkpoints, tmp_path):
     """The longflow protocol cuts prompts to 1,000 tokens, which would cut the haystack and its question;

@@ -156,6 +156,7 @@ EQUIVALENT = [  # (reference, answer in the box)
      "\\begin{pmatrix} -\\frac13 \\\\ \\frac23 \\end{pmatrix}"),
     ("1.24e-8", "1.24 \\times 10^{-8}"),
     ("4.5e33", "4.5\\cdot10^{33}"),
+    ("3.83e35", "3.8301\\times10^{35}"),  # a rounded reference in e-notation keeps its tolerance, whole or not
     ("6.5e-2", "0.065"),
     ("np.arcsin(10/13)", "\\arcsin\\left(\\frac{10}{13}\\right)"),
     ("E_{1},E_{2}", "E_1,E_2"),
