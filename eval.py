@@ -431,10 +431,11 @@ def read_rows(path: Path) -> list[dict]:
     damaged line is an error naming the file and line."""
     if not path.exists():
         return []
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        os.truncate(path, data.rfind(b"\n") + 1)  # cut in place (bytes: \r\n too): complete rows are never rewritten
-    text = read_text(path)
+    text = read_text(path)  # (newlines translated: \r\n reads as \n)
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        data = path.read_bytes()
+        os.truncate(path, data.rfind(b"\n") + 1)  # cut in place, by bytes: complete rows are never rewritten
     fix = "delete that line (or the file) and run again to redo its generation"
     rows = []
     for number, row in json_lines(path, text, fix):
