@@ -487,7 +487,8 @@ def bench_long_prompt(args, hw: Machine, model):
                                     on_tokens=bar)
         finished(dict(workload="long-prompt", cache=name, kv_dtype=args.kv_dtype, prompt_tokens=args.prompt_len,
                       slots=st.slots,
-                      prefill_s=st.prefill_s, prefill_floor_fraction=prefill_floor(model, args.prompt_len, hw) / st.prefill_s,
+                      prefill_s=st.prefill_s,
+                      prefill_floor_fraction=prefill_floor(model, args.prompt_len, hw) / st.prefill_s,
                       decode_tokens_per_s=(args.new_tokens - 1) / st.decode_s,
                       peak_gib=peak_gib(args.device)))
         engine = new_engine(model, args)  # drop the previous cache before the next size

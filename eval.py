@@ -52,7 +52,8 @@ def load_dataset(name_or_path: str | Path) -> list[dict]:
         if problem:
             raise ValueError(f"{path}:{number}: {problem}")
         # the two fields and the index only: a row's own "system" or "suffix" must not override the protocol
-        rows.append({"index": row.get("index", len(rows)), "question": row["question"], "true_answer": row["true_answer"]})
+        rows.append({"index": row.get("index", len(rows)), "question": row["question"],
+                     "true_answer": row["true_answer"]})
     if not rows:
         raise ValueError(f"{path} has no rows; {fix}")
     check_unique_indices(path, rows)
@@ -618,8 +619,8 @@ def check_settings(path: Path, settings: dict):
     """Resume a run only with the settings it was started with, so one file never mixes two runs."""
     saved = path.with_suffix(".settings.json")
     before = read_json(saved) if path.exists() and saved.exists() else settings
-    if isinstance(before, dict) and "data_sha256" not in before:  # written before the data's digest was kept:
-        before = dict(before, data_sha256=settings["data_sha256"])  # the other settings decide
+    if isinstance(before, dict):  # a file from before the data's digest was kept: the other settings decide
+        before.setdefault("data_sha256", settings["data_sha256"])
     if before != settings:  # unreadable: other settings too
         raise ValueError(f"{path} was written with other settings ({read_text(saved).strip()}); "
                          f"use another --out or delete it")
@@ -1170,7 +1171,8 @@ def eval_runs(specs: list[str], proto: Protocol) -> list[tuple[str, int | None, 
 def dataset_digest(items: list[dict]) -> str:
     """sha256 of what a dataset asks and grades against: a run resumed after its file changed would mix
     answers to two datasets."""
-    return hashlib.sha256(json.dumps([[i["index"], i["question"], i["true_answer"]] for i in items]).encode()).hexdigest()
+    rows = [[i["index"], i["question"], i["true_answer"]] for i in items]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
 def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: list[Path], digest: str) -> list[dict]:

@@ -854,6 +854,13 @@ def add_cache_options(p: Parser):
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
 
 
+def ignored(options: list[str], when: str, fix: str) -> ValueError:
+    """The refusal of options that would be ignored: "--a and --b only apply WHEN: FIX or drop them"."""
+    many = len(options) > 1
+    return ValueError(f"{' and '.join(options)} only {'apply' if many else 'applies'} {when}: {fix} or drop "
+                      f"{'them' if many else 'it'}")
+
+
 def check_policy_args(args):
     """Settings that would be ignored are refused, each with what to add or drop."""
     evicting = [f"--{name}" for name, value in (("sinks", args.sinks), ("window", args.window),
@@ -863,8 +870,17 @@ def check_policy_args(args):
                          f"or pick a policy that evicts")
     given = ["--policy"] * (args.policy is not None and args.policy != "full") + evicting
     if args.budget is None and given:
-        raise ValueError(f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to a cache with "
-                         f"a budget: add --budget N (KV slots per sequence) or drop {'them' if len(given) > 1 else 'it'}")
+        raise ignored(given, "to a cache with a budget", "add --budget N (KV slots per sequence)")
+
+
+def check_sampling_args(args, sampling: Sampling):
+    """--top-k, --top-p and --seed are refused when decoding is greedy (given or the model's default)."""
+    given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+             if value is not None]
+    if given and sampling.temperature == 0:
+        default = "" if args.temperature is not None else ", the model default"
+        raise ignored(given, f"when sampling, and this decodes greedily (temperature 0{default})",
+                      "add --temperature T (> 0)")
 
 
 def read_prompt(args) -> str:
@@ -895,12 +911,7 @@ def run(args):
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
     model, tok = load(args.model, device, dtype, tp)
     sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
-    unused = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
-              if value is not None and sampling.temperature == 0]
-    if unused:
-        raise ValueError(f"{', '.join(unused)} only {'apply' if len(unused) > 1 else 'applies'} when sampling, and this "
-                         f"decodes greedily (temperature 0{'' if args.temperature is not None else ', the model default'}"
-                         f"): add --temperature T (> 0) or drop {'them' if len(unused) > 1 else 'it'}")
+    check_sampling_args(args, sampling)
     if args.chat and tok.template is None:
         raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
     chat = tok.template is not None if args.chat is None else args.chat

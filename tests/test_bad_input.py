@@ -132,7 +132,7 @@ def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, t
     (["--policy", "full", "--sinks", "2"], "--policy full keeps every token: drop --sinks"),
     (["--seed", "99999999999999999999999", "--temperature", "1"], "seeds must fit in 64 bits"),
     (["--top-p", "0.5"], "--top-p only applies when sampling, and this decodes greedily (temperature 0, the model"),
-    (["--seed", "3", "--top-k", "5", "--temperature", "0"], "--top-k, --seed only apply when sampling"),
+    (["--seed", "3", "--top-k", "5", "--temperature", "0"], "--top-k and --seed only apply when sampling"),
     (["--repetition-penalty", "1e-300"], "repetition penalty must be a number from 1e-30 to 1e30"),
     (["--temperature", "1", "--top-k", "100000000000000000000"], "an integer top-k >= 0 (below 2^63)"),
     (["--prompt", "caf\udcff"], "the text is not valid Unicode (it holds a lone surrogate"),
