@@ -42,63 +42,100 @@ class Config:
 
     @classmethod
     def from_dict(cls, c: dict) -> "Config":
-        """The config.json of a supported checkpoint, checked: a clear error for anything tinyflow would
-        misread (wrong types, sizes that cannot work, features it does not run)."""
-        if not isinstance(c, dict):
-            raise ValueError(f"config.json must hold a JSON object, not a {type(c).__name__}")
-        c = {k: v for k, v in c.items() if v is not None}  # null counts as absent, as transformers reads it
-        check_types(c)
-        kind = c.get("model_type")
-        archs = c.get("architectures") or [SUPPORTED.get(kind, kind)]
-        if kind not in SUPPORTED or archs[0] not in SUPPORTED.values():
-            raise ValueError(f"unsupported model {archs[0]!r} (model_type {kind!r}); tinyflow runs "
-                             f"{', '.join(SUPPORTED.values())}")
-        # transformers applies the window to the layers that layer_types marks, whatever use_sliding_window says
-        sliding = "sliding_attention" in (c.get("layer_types") or [])
-        if c.get("use_sliding_window") or sliding or (kind == "mistral" and c.get("sliding_window")):
-            raise ValueError("sliding-window attention is not supported (use_sliding_window, layer_types or "
-                             "sliding_window in config.json); tinyflow runs full attention")
-        if c.get("mlp_bias"):
-            raise ValueError("MLP biases are not supported (mlp_bias is true in config.json)")
-        # transformers >= 5 writes `rope_parameters`; checkpoints on the Hub have rope_theta + rope_scaling
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"config.json: rope_parameters / rope_scaling must be an object, got {rope!r}")
-        theta = rope.get("rope_theta")
-        theta = c.get("rope_theta", 10000.0) if theta is None else theta
-        if not (is_number(theta) and theta > 0):
-            raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope scaling {rope_type!r}; tinyflow supports none and 'llama3'")
-        if rope_type == "llama3" and not set(LLAMA3_KEYS) <= set(rope):
-            raise ValueError(f"llama3 rope scaling in config.json lacks {sorted(set(LLAMA3_KEYS) - set(rope))}")
-        if rope_type == "llama3" and not all(is_number(rope[k]) and rope[k] > 0 for k in LLAMA3_KEYS):
-            raise ValueError(f"llama3 rope scaling in config.json: {', '.join(LLAMA3_KEYS)} must be positive numbers")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in c]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}")
-        heads = c["num_attention_heads"]
-        kv_heads = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        if heads % kv_heads or head_dim % 2 or (not c.get("head_dim") and c["hidden_size"] % heads):
-            raise ValueError(f"config.json: {heads} attention heads, {kv_heads} KV heads and head_dim {head_dim} "
-                             f"do not fit together (the KV heads must divide the heads, head_dim be even and, "
-                             f"when not given, hidden_size / heads a whole number)")
-        eos = c.get("eos_token_id")
+        """The config.json of a supported checkpoint, checked first (check_config: a clear error for
+        anything tinyflow would misread)."""
+        check_config(c)
+        c = without_nulls(c)
+        rope = rope_parameters(c)
+        heads, kv_heads, head_dim = attention_shape(c)
+        kind, eos = c.get("model_type"), c.get("eos_token_id")
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"], n_layers=c["num_hidden_layers"],
             n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling={k: rope[k] for k in LLAMA3_KEYS} if rope_type == "llama3" else None,
+            rope_theta=rope_theta(c, rope),
+            rope_scaling={k: rope[k] for k in LLAMA3_KEYS} if rope_type(rope) == "llama3" else None,
             tie_embeddings=c.get("tie_word_embeddings", False),
             qkv_bias=kind == "qwen2" or c.get("attention_bias", False),
             qk_norm=kind == "qwen3",
             eos_token_id=[] if eos is None else eos if isinstance(eos, list) else [eos],
             max_position_embeddings=c.get("max_position_embeddings"))
+
+
+def without_nulls(c: dict) -> dict:
+    """null counts as absent, as transformers reads it."""
+    return {k: v for k, v in c.items() if v is not None}
+
+
+def rope_parameters(c: dict) -> dict:
+    # transformers >= 5 writes `rope_parameters`; checkpoints on the Hub have rope_theta + rope_scaling
+    return c.get("rope_parameters") or c.get("rope_scaling") or {}
+
+
+def rope_theta(c: dict, rope: dict) -> float:
+    theta = rope.get("rope_theta")
+    return c.get("rope_theta", 10000.0) if theta is None else theta
+
+
+def rope_type(rope: dict) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def attention_shape(c: dict) -> tuple[int, int, int]:
+    """Query heads, KV heads (default: as many as the heads) and head_dim (default: hidden_size / heads)."""
+    heads = c["num_attention_heads"]
+    return heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
+
+
+# ---- config.json's checks -------------------------------------------------------------------------------
+def check_config(c):
+    """Every check of a config.json, in this order (a bad config gets the first one's message): a clear
+    error for anything tinyflow would misread (wrong types, sizes that cannot work, features it does not
+    run)."""
+    if not isinstance(c, dict):
+        raise ValueError(f"config.json must hold a JSON object, not a {type(c).__name__}")
+    c = without_nulls(c)
+    check_types(c)
+    kind = c.get("model_type")
+    archs = c.get("architectures") or [SUPPORTED.get(kind, kind)]
+    if kind not in SUPPORTED or archs[0] not in SUPPORTED.values():
+        raise ValueError(f"unsupported model {archs[0]!r} (model_type {kind!r}); tinyflow runs "
+                         f"{', '.join(SUPPORTED.values())}")
+    # transformers applies the window to the layers that layer_types marks, whatever use_sliding_window says
+    sliding = "sliding_attention" in (c.get("layer_types") or [])
+    if c.get("use_sliding_window") or sliding or (kind == "mistral" and c.get("sliding_window")):
+        raise ValueError("sliding-window attention is not supported (use_sliding_window, layer_types or "
+                         "sliding_window in config.json); tinyflow runs full attention")
+    if c.get("mlp_bias"):
+        raise ValueError("MLP biases are not supported (mlp_bias is true in config.json)")
+    check_rope(c)
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in c]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
+    heads, kv_heads, head_dim = attention_shape(c)
+    if heads % kv_heads or head_dim % 2 or (not c.get("head_dim") and c["hidden_size"] % heads):
+        raise ValueError(f"config.json: {heads} attention heads, {kv_heads} KV heads and head_dim {head_dim} "
+                         f"do not fit together (the KV heads must divide the heads, head_dim be even and, "
+                         f"when not given, hidden_size / heads a whole number)")
+
+
+def check_rope(c: dict):
+    """RoPE's parameters: an object, a positive theta, and no scaling or llama3's, complete."""
+    rope = rope_parameters(c)
+    if not isinstance(rope, dict):
+        raise ValueError(f"config.json: rope_parameters / rope_scaling must be an object, got {rope!r}")
+    theta = rope_theta(c, rope)
+    if not (is_number(theta) and theta > 0):
+        raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+    kind = rope_type(rope)
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope scaling {kind!r}; tinyflow supports none and 'llama3'")
+    if kind == "llama3" and not set(LLAMA3_KEYS) <= set(rope):
+        raise ValueError(f"llama3 rope scaling in config.json lacks {sorted(set(LLAMA3_KEYS) - set(rope))}")
+    if kind == "llama3" and not all(is_number(rope[k]) and rope[k] > 0 for k in LLAMA3_KEYS):
+        raise ValueError(f"llama3 rope scaling in config.json: {', '.join(LLAMA3_KEYS)} must be positive numbers")
 
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
