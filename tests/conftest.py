@@ -60,13 +60,21 @@ def write_checkpoint(folder, arch: str, kv_heads: int | None = None, vocab: int 
     elif arch == "qwen2":  # qkv bias, 1:1 heads
         cfg = transformers.Qwen2Config(**common, num_key_value_heads=kv_heads or 4, tie_word_embeddings=False)
         cls = transformers.Qwen2ForCausalLM
-    else:  # GQA 4:1 and llama3 rope scaling that bites inside the test's lengths
+    else:  # GQA 4:1 and llama3 rope scaling that bites inside the test's lengths: head_dim 16's wavelengths
+        # (2 pi 5e5^(i/8): 6.3, 32.4, 167, ...) fall in all three of its regimes, kept (< 64 / 4), blended
+        # (16 to 64 / 1: 32.4) and divided by the factor (> 64)
         cfg = transformers.LlamaConfig(**common, num_key_value_heads=kv_heads or 1, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32})
+            "original_max_position_embeddings": 64})
         cls = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).eval()
+    with torch.no_grad():  # transformers starts norms at 1 and biases at 0: a wrong order or a lost bias would not show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
     model.generation_config.do_sample = False
     model.save_pretrained(folder, **shard)
     return folder

@@ -4,6 +4,7 @@ loaded by tinyflow, compared logit by logit and token by token (float32 on CPU).
 Tolerance: both sides run the same float32 math in a different order (fused SDPA vs einsum, another
 summation order in the matmuls), so logits agree to rounding, about 1e-5, not bit for bit."""
 import json
+import math
 
 import pytest
 import torch
@@ -81,6 +82,19 @@ def test_greedy_batch_of_different_lengths_matches_transformers_generate(checkpo
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                           eos_token_id=tok.eos_ids, pad_token_id=0)
         assert out == ref[0, len(prompt):].tolist()
+
+
+def test_the_tiny_llamas_wavelengths_fall_in_every_regime_of_llama3_scaling(checkpoints):
+    """The logits tests above check the llama3 frequencies only where the checkpoint's wavelengths fall: kept
+    (shorter than original_max / high_freq_factor), divided by the factor (longer than original_max /
+    low_freq_factor), and the band between, where they are blended. Each regime holds one at least."""
+    rope = json.loads((checkpoints["llama"] / "config.json").read_text())["rope_parameters"]
+    cfg = Config.from_dict(json.loads((checkpoints["llama"] / "config.json").read_text()))
+    wavelengths = [2 * math.pi * rope["rope_theta"] ** (i / cfg.head_dim) for i in range(0, cfg.head_dim, 2)]
+    short = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    long = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+    assert any(w < short for w in wavelengths) and any(w > long for w in wavelengths)
+    assert any(short <= w <= long for w in wavelengths)
 
 
 def test_hub_style_config_with_rope_scaling_key_loads_the_same(checkpoints, tmp_path):
