@@ -159,18 +159,24 @@ def test_new_sampling_settings_and_mixed_rows_never_recompile(checkpoints):
     assert again == alone[::-1]
 
 
-def test_api_generates_text_and_stops_at_eos(checkpoints):
+def test_api_generates_text_from_strings_or_ids_and_prompt_i_samples_with_seed_plus_i(checkpoints):
+    """Text and ids alike; one seed gives prompt i the seed + i, whatever else is in the batch (each
+    token's draw is checked against sample() in test_each_sampled_token_is_sample_at_its_own_position...)."""
     llm = tinyflow.LLM(str(checkpoints["qwen2"]), compile=False)
-    outs = llm.generate(["Hello world", [5, 6, 7]], max_new_tokens=12, temperature=0.8, seed=3)
-    assert len(outs) == 2
+    hot = dict(max_new_tokens=12, temperature=0.8, ignore_eos=True)
+    outs = llm.generate(["Hello world", [5, 6, 7]], seed=3, **hot)
+    assert [len(o.token_ids) for o in outs] == [12, 12] and llm.stats.prompt_tokens == len(llm.tokenizer.encode(
+        "Hello world")) + 3
     for o in outs:
-        assert 1 <= len(o.token_ids) <= 12
         assert o.text == llm.tokenizer.decode(o.token_ids)
-        eos = [i for i, t in enumerate(o.token_ids) if t in llm.tokenizer.eos_ids]
-        assert eos in ([], [len(o.token_ids) - 1])  # EOS only ever last
-    assert outs == llm.generate(["Hello world", [5, 6, 7]], max_new_tokens=12, temperature=0.8, seed=3)
-    chat = llm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=4)
-    assert len(chat) == 1 and llm.stats.prompt_tokens > 0
+    assert llm.generate(["Hello world"], seed=3, **hot) == outs[:1]
+    assert llm.generate([[5, 6, 7]], seed=4, **hot) == outs[1:]
+    assert llm.generate([[5, 6, 7]], seed=3, **hot) != outs[1:]  # another seed, other tokens
+    greedy = llm.generate(["Hello world", [5, 6, 7]], max_new_tokens=12, ignore_eos=True)
+    assert all(g != o for g, o in zip(greedy, outs))  # the temperature reached the step
+    chat = llm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=4, ignore_eos=True)
+    ids = llm.tokenizer.chat([{"role": "user", "content": "Hi"}])
+    assert chat == llm.generate([ids], max_new_tokens=4, ignore_eos=True)
 
 
 def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
@@ -399,3 +405,74 @@ def test_one_seed_per_prompt_is_checked(checkpoints):
     hot = generate.Sampling(temperature=1.0)  # sampled, so the seeds matter
     as_tuple, as_int = (engine.generate([[1], [2], [3]], 8, [], sampling=hot, seed=s)[0] for s in ((5, 6, 7), 5))
     assert as_tuple == as_int != engine.generate([[1], [2], [3]], 8, [], sampling=hot, seed=6)[0]
+
+
+def test_each_sampled_token_is_sample_at_its_own_position_with_its_seed(checkpoints):
+    """Sampling (temperature 0.7, top-k 50): every generated token is what generate.sample draws from the
+    model's logits there, with the prompt's seed and the token's own position (the first, from prefill, at
+    len(prompt); the others from the decode step). The logits are transformers', teacher-forced on the
+    prompt and the output; each draw is won by a clear margin (the race's winner 1% above the runner-up, the
+    50th logit 1e-4 above the 51st), beyond the 1e-5 the two implementations' logits differ by."""
+    from transformers import AutoModelForCausalLM
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    prompt, seed = llm.tokenizer.encode("The quick brown fox"), 11
+    out = llm.generate([prompt], max_new_tokens=24, temperature=0.7, top_k=50, seed=seed, ignore_eos=True)[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]  # [24, V]: predicting out[i]
+    positions = torch.arange(len(out)) + len(prompt)
+    n = len(out)
+    at = lambda p: draw_rows(logits, seed, p, 0.7, 50)
+    assert at(positions).tolist() == out
+    assert at(positions - 1).tolist() != out  # the noise of the position before would draw other tokens
+    ordered = (logits / 0.7).sort(-1, descending=True).values
+    assert ((ordered[:, 49] - ordered[:, 50]) > 1e-4).all()
+    probs = (logits / 0.7).masked_fill(logits / 0.7 < ordered[:, 49:50], float("-inf")).softmax(-1)
+    race = (probs / -uniform_noise(torch.full((n,), seed), positions, logits.shape[1]).log()).topk(2).values
+    assert (race[:, 0] > 1.01 * race[:, 1]).all()
+
+
+def draw_rows(logits, seed, positions, temperature, top_k):
+    """sample() for rows [n, V] of one sequence at positions [n], top-p 1."""
+    n = logits.shape[0]
+    return sample(logits, torch.full((n,), seed), positions, torch.full((n,), temperature),
+                  torch.full((n,), top_k), torch.ones(n))
+
+
+def test_generation_stops_at_eos_unless_told_to_ignore_it(checkpoints, tmp_path):
+    """A copy of the tiny Qwen2 whose generation_config.json names a token of its greedy answer (its first
+    appearance there, the fourth token or later) as EOS: generation ends with that token, EOS included;
+    with ignore_eos it runs to max_new_tokens, the answer of the checkpoint with the real EOS."""
+    free = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False).generate(
+        ["Hello world"], max_new_tokens=16, ignore_eos=True)[0].token_ids
+    k = next(i for i in range(3, 15) if free[i] not in free[:i])
+    folder = tmp_path / "eos"
+    shutil.copytree(checkpoints["qwen2"], folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": free[k]}))
+    llm = tinyflow.LLM(str(folder), device="cpu", compile=False)
+    assert llm.tokenizer.eos_ids == [free[k]]
+    assert llm.generate(["Hello world"], max_new_tokens=16)[0].token_ids == free[:k + 1]
+    assert llm.generate(["Hello world"], max_new_tokens=16, ignore_eos=True)[0].token_ids == free
+    # batched, with the rows sampling: each stops at its own first EOS, or runs to the end when ignoring it
+    hot = dict(max_new_tokens=16, temperature=1.0, seed=5)
+    ignoring = llm.generate(["Hello world", "The quick brown fox"], ignore_eos=True, **hot)
+    stopping = llm.generate(["Hello world", "The quick brown fox"], **hot)
+    assert all(len(o.token_ids) == 16 for o in ignoring)
+    for a, b in zip(ignoring, stopping):
+        end = a.token_ids.index(free[k]) + 1 if free[k] in a.token_ids else 16
+        assert b.token_ids == a.token_ids[:end]
+
+
+def test_chat_without_thinking_renders_exactly_the_templates_empty_think_block(checkpoints):
+    """LLM.chat(enable_thinking=False) prompts with the template's turn plus "<think>\\n\\n</think>\\n\\n" (the
+    test template writes it when thinking is off), and by default without it."""
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    hi = [{"role": "user", "content": "Hi"}]
+    plain, block = llm.tokenizer.chat(hi), llm.tokenizer.encode("<think>\n\n</think>\n\n", False)
+    off = llm.chat(hi, enable_thinking=False, max_new_tokens=6, ignore_eos=True)
+    assert llm.stats.prompt_tokens == len(plain) + len(block)
+    assert off == llm.generate([plain + block], max_new_tokens=6, ignore_eos=True)
+    on = llm.chat(hi, max_new_tokens=6, ignore_eos=True)
+    assert llm.stats.prompt_tokens == len(plain)
+    assert on == llm.generate([plain], max_new_tokens=6, ignore_eos=True) != off
