@@ -252,14 +252,22 @@ def test_api_policy_and_budget_must_go_together(checkpoints):
         llm.set_policy(None, sinks=4)
 
 
-def test_context_past_max_position_embeddings_only_when_allowed(checkpoints):
-    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ new tokens \(500\) = 520 positions"):
-        Engine(model, compile=False).generate([[1] * 20], 500, [], 40)
-    outs, _ = Engine(model, compile=False, allow_long_context=True).generate([[1] * 20], 500, [], 40)
-    assert len(outs[0]) == 500
-    with pytest.raises(ValueError, match="max_position_embeddings 512"):  # teacher forcing counts the same way
-        Engine(model, compile=False).score([[1] * 20], [[2] * 500])
+def test_context_past_max_position_embeddings_only_when_allowed(checkpoints, tmp_path):
+    """A copy of the tiny Qwen3 trained (says its config) for 32 positions: a prompt of 20 and 12 new tokens
+    fill them exactly and run; one more token is refused, unless allowed."""
+    folder = copy_of(checkpoints, tmp_path, "qwen3")
+    edit_json(folder, "config.json", update(max_position_embeddings=32))
+    model, _ = load(str(folder), torch.device("cpu"), torch.float32)
+    outs, _ = Engine(model, compile=False).generate([[1] * 20], 12, [], 40)
+    assert len(outs[0]) == 12
+    with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ new tokens \(13\) = 33 positions, past the "
+                                         r"model's max_position_embeddings 32"):
+        Engine(model, compile=False).generate([[1] * 20], 13, [], 40)
+    outs, _ = Engine(model, compile=False, allow_long_context=True).generate([[1] * 20], 50, [], 40)
+    assert len(outs[0]) == 50
+    assert len(Engine(model, compile=False).score([[1] * 20], [[2] * 12])[0][0]) == 12  # teacher forcing: the same
+    with pytest.raises(ValueError, match="max_position_embeddings 32"):
+        Engine(model, compile=False).score([[1] * 20], [[2] * 13])
 
 
 def test_a_batch_too_large_for_memory_names_the_batch_size(checkpoints):
