@@ -45,8 +45,8 @@ from torch._dynamo.utils import counters
 import kernel
 from cache import KV_DTYPES, POLICIES, KVCache, resolve_policy, unit_key_sum
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
-from generate import (Engine, Parser, Sampler, State, Stepper, batch_that_fits, non_negative_int, pick_device,
-                      positive_int, reader_gone, say, sync_time)
+from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
+from cli import Parser, non_negative_int, positive_int, run_command
 import parallel
 from model import Config, checkpoint_params, empty_model, load
 from parallel import SINGLE, Group
@@ -859,30 +859,23 @@ def main():
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     p = parser()
     args = p.parse_args()
-    if parallel.rank() > 0:  # under torchrun rank 0 alone prints
-        sys.stdout = open(os.devnull, "w")
-    try:
-        check_args(args, p)
-        if parallel.rank() > 0:  # and writes --json and --plot (checked on every rank alike)
-            args.json = args.plot = None
-        benchmark(args)
-    except (ValueError, FileNotFoundError) as e:
-        say(parallel.report(e))
-        sys.exit(2)
-    except torch.OutOfMemoryError:  # a --batch or --context too large for this GPU (the finished rows are kept)
-        say(parallel.report(RuntimeError(f"out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or "
-                                         f"--context, or leave --batch out for the largest batch that fits")))
-        sys.exit(2)
-    except BrokenPipeError:  # `bench.py ... | head -1`
-        reader_gone()
-    except KeyboardInterrupt:
-        interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
-    except RuntimeError as e:
-        if not parallel.peer_gone(e):
-            raise
-        sys.exit(130)
-    finally:
-        parallel.stop()
+    run_command(lambda: check_and_run(args, p), torch.OutOfMemoryError, out_of_memory, lambda: stopped(args))
+
+
+def check_and_run(args, p: Parser):
+    check_args(args, p)
+    if parallel.rank() > 0:  # rank 0 alone writes --json and --plot (checked on every rank alike)
+        args.json = args.plot = None
+    benchmark(args)
+
+
+def out_of_memory() -> str:  # a --batch or --context too large for this GPU (the finished rows are kept)
+    return (f"out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave --batch "
+            f"out for the largest batch that fits")
+
+
+def stopped(args):  # Ctrl-C: the rows measured until then, and where they are written
+    interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
 
 
 if __name__ == "__main__":

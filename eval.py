@@ -861,7 +861,7 @@ def fidelity_main(argv):
 
 
 def parse_fidelity_args(argv):
-    from generate import Parser, positive_int
+    from cli import Parser, positive_int
     p = Parser(prog="eval.py fidelity", description="Teacher-forced fidelity of KV-cache policies to the full "
                "cache: NLL increase, top-1 agreement, KL, free generation.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
@@ -1035,7 +1035,7 @@ def interrupted(what: str):
 
 
 def parse_args(argv):
-    from generate import Parser, non_negative_int, positive_int
+    from cli import Parser, non_negative_int, positive_int
     p = Parser(prog="eval.py", description="Accuracy of KV-cache policies on reasoning benchmarks "
                "(and `eval.py fidelity --help`: fidelity to the full cache).")
     p.add_argument("--model", default="Qwen/Qwen3-8B")

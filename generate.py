@@ -24,10 +24,12 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 
 import torch
 
-from cache import KV_DTYPES, POLICIES, PROMPT_RULES, KVCache, Policy, hash32, is_int, resolve_policy
+from cache import KV_DTYPES, POLICIES, KVCache, Policy, hash32, is_int, resolve_policy
+from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args, positive_int,
+                 read_prompt, run_command)
 import kernel
 import parallel
-from model import MLP_TOKENS, Transformer, load
+from model import DTYPES, MLP_TOKENS, Transformer, load
 
 # ---- sampling without host syncs ---------------------------------------------------------------------
 def uniform_noise(seeds, positions, vocab: int):
@@ -730,9 +732,6 @@ def sync_time(device) -> float:
     return time.perf_counter()
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 def pick_device(device: str | None, dtype: str | torch.dtype | None):
     """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
     if device is None:
@@ -757,51 +756,6 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
 
 
 # ---- the command line ---------------------------------------------------------------------------------
-def batch_size(text: str):
-    return text if text == "max" else positive_int(text)
-
-
-def non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return int(text)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """--help appends each option's default, unless its help already says it or there is none to show (None,
-    or the off state of a flag)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors and the defaults shown in --help."""
-
-    def __init__(self, **kwargs):
-        super().__init__(formatter_class=ShowDefaults, **kwargs)
-
-    def add_argument(self, *args, **kwargs):  # an option without a help text still shows its default
-        if kwargs.get("help") is None and kwargs.get("default") is not None and kwargs.get("default") is not False:
-            kwargs["help"] = "default: %(default)s"
-        return super().add_argument(*args, **kwargs)
-
-    def error(self, message):  # one line instead of argparse's usage block
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 DEFAULT_PROMPT = "Briefly, why is the sky blue?"
 
 
@@ -831,75 +785,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def add_cache_options(p: Parser):
-    """The model, cache and device options that generate.py and server.py share."""
-    p.add_argument("--budget", type=positive_int, default=None,
-                   help="KV slots per sequence and layer (default: keep every token)")
-    p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
-                   help=f"the eviction rule, one of {', '.join(POLICIES)} (default: longflow with --budget, "
-                        f"full without)")
-    p.add_argument("--sinks", type=non_negative_int, default=None,
-                   help="first tokens never evicted (default: the policy's)")
-    p.add_argument("--window", type=non_negative_int, default=None,
-                   help="recent tokens never evicted (default: the policy's)")
-    p.add_argument("--prompt-compression", default=None, choices=PROMPT_RULES,
-                   help="how a prompt longer than --budget is cut: snapkv, streaming, or decode (the policy's "
-                        "rule); default: snapkv")
-    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
-                   help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 and a scale per token "
-                        "and KV head: half the bytes of bf16)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
-
-
-def ignored(options: list[str], when: str, fix: str) -> ValueError:
-    """The refusal of options that would be ignored: "--a and --b only apply WHEN: FIX or drop them"."""
-    many = len(options) > 1
-    return ValueError(f"{' and '.join(options)} only {'apply' if many else 'applies'} {when}: {fix} or drop "
-                      f"{'them' if many else 'it'}")
-
-
-def check_policy_args(args):
-    """Settings that would be ignored are refused, each with what to add or drop."""
-    evicting = [f"--{name}" for name, value in (("sinks", args.sinks), ("window", args.window),
-                                                ("prompt-compression", args.prompt_compression)) if value is not None]
-    if args.policy == "full" and (args.budget is not None or evicting):
-        raise ValueError(f"--policy full keeps every token: drop {' and '.join(['--budget'] * (args.budget is not None) + evicting)}, "
-                         f"or pick a policy that evicts")
-    given = ["--policy"] * (args.policy is not None and args.policy != "full") + evicting
-    if args.budget is None and given:
-        raise ignored(given, "to a cache with a budget", "add --budget N (KV slots per sequence)")
-
-
-def check_sampling_args(args, sampling: Sampling):
-    """--top-k, --top-p and --seed are refused when decoding is greedy (given or the model's default)."""
-    given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
-             if value is not None]
-    if given and sampling.temperature == 0:
-        default = "" if args.temperature is not None else ", the model default"
-        raise ignored(given, f"when sampling, and this decodes greedily (temperature 0{default})",
-                      "add --temperature T (> 0)")
-
-
-def read_prompt(args) -> str:
-    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text."""
-    if args.prompt_file is None:
-        return args.prompt
-    name = "standard input" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
-    try:
-        if args.prompt_file == "-":
-            return sys.stdin.buffer.read().decode("utf-8")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise FileNotFoundError(f"cannot read {name}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{name} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); convert it to "
-                         f"UTF-8") from None
-
-
 def run(args):
     check_policy_args(args)
     rule = args.prompt_compression or "snapkv"
@@ -912,37 +797,27 @@ def run(args):
     model, tok = load(args.model, device, dtype, tp)
     sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     check_sampling_args(args, sampling)
-    if args.chat and tok.template is None:
-        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
-    chat = tok.template is not None if args.chat is None else args.chat
-    ids = tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
+    ids = prompt_ids(tok, text, args)
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
                     kv_dtype=KV_DTYPES[args.kv_dtype])
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
-    printed = []
-
-    def stream(new_ids, last=False):  # print the text decoded so far, past what is already on screen
-        out = tok.decode(new_ids)
-        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
-            return
-        print(out[len(printed[0]) if printed else 0:], end="", flush=True)
-        printed[:] = [out]
-
-    def show(outs, stats):  # the text (a single sequence has streamed already), then the statistics
-        if batch == 1:
-            stream(outs[0], last=True)  # whatever a cut-off character held back
-        else:
-            for i, o in enumerate(outs):
-                print(f"--- sequence {i} ---\n{tok.decode(o)}")
-        print("\n" + stats.line(), flush=True)
-
+    screen = Screen(tok, batch)
     try:
         outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy, sampling,
-                                      args.seed, batch, on_tokens=stream if batch == 1 else None, prompt_rule=rule)
+                                      args.seed, batch, on_tokens=screen.stream if batch == 1 else None,
+                                      prompt_rule=rule)
     except Interrupted as stop:  # Ctrl-C: what was generated so far, and its statistics
-        show(stop.outputs, stop.stats)
+        screen.show(stop.outputs, stop.stats)
         raise
-    show(outs, stats)
+    screen.show(outs, stats)
+
+
+def prompt_ids(tok, text: str, args) -> list[int]:
+    """The prompt through the model's chat template (--chat; by default when it has one), or as plain text."""
+    if args.chat and tok.template is None:
+        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
+    chat = tok.template is not None if args.chat is None else args.chat
+    return tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
 
 
 def max_batch(engine: Engine, args, prompt_len: int) -> int:
@@ -957,42 +832,35 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     return fits
 
 
+class Screen:
+    """What generate.py prints: a single sequence streamed as it is generated, several each whole at the end,
+    then the run's statistics."""
+
+    def __init__(self, tok, batch: int):
+        self.tok, self.batch, self.printed = tok, batch, ""
+
+    def stream(self, new_ids, last=False):  # print the text decoded so far, past what is already on screen
+        out = self.tok.decode(new_ids)
+        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
+            return
+        print(out[len(self.printed):], end="", flush=True)
+        self.printed = out
+
+    def show(self, outs, stats):  # the text (a single sequence has streamed already), then the statistics
+        if self.batch == 1:
+            self.stream(outs[0], last=True)  # whatever a cut-off character held back
+        else:
+            for i, o in enumerate(outs):
+                print(f"--- sequence {i} ---\n{self.tok.decode(o)}")
+        print("\n" + stats.line(), flush=True)
+
+
 def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
-    if parallel.rank() > 0:  # under torchrun rank 0 alone prints (the other ranks compute the same tokens)
-        sys.stdout = open(os.devnull, "w")
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError) as e:
-        say(parallel.report(e))
-        sys.exit(2)
-    except MemoryError:  # before any check can run, e.g. the prompt copied for --batch-size 10**11
-        say(parallel.report(RuntimeError("out of host memory; lower --batch-size, --max-new-tokens or --budget")))
-        sys.exit(2)
-    except KeyboardInterrupt:
-        say("interrupted" if parallel.rank() == 0 else None)
-        sys.exit(130)
-    except RuntimeError as e:
-        if not parallel.peer_gone(e):
-            raise
-        sys.exit(130)
-    except BrokenPipeError:
-        reader_gone()
-    finally:
-        parallel.stop()
-
-
-def say(line: str | None):
-    """One line on stderr (None: nothing, as for another rank's copy of rank 0's error)."""
-    if line:
-        print(line, file=sys.stderr)
-
-
-def reader_gone():
-    """`generate.py ... | head -1`: the reader has gone, so has the output; end quietly (exit status 1)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
-    sys.exit(1)
+    # MemoryError: before any check can run, e.g. the prompt copied for --batch-size 10**11
+    run_command(lambda: run(args), MemoryError,
+                lambda: "out of host memory; lower --batch-size, --max-new-tokens or --budget")
 
 
 if __name__ == "__main__":

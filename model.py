@@ -555,6 +555,9 @@ def generation_defaults(gen: dict, path: str) -> dict:
     return gen
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # what weights load in
+
+
 def load(name: str, device, dtype, tp: Group = SINGLE) -> tuple[Transformer, Tokenizer]:
     """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer."""
     folder = resolve(name)

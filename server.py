@@ -30,7 +30,8 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
     signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
 
 from cache import KV_DTYPES, resolve_policy
-from generate import Engine, Parser, Sampling, add_cache_options, check_policy_args, pick_device, positive_int
+from generate import Engine, Sampling, pick_device
+from cli import Parser, add_cache_options, check_policy_args, positive_int, say
 import parallel
 from model import load
 
@@ -657,7 +658,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
     if Starlette is None:
-        print("error: the server needs its extra: pip install 'tinyflow[serve]' (starlette, uvicorn)", file=sys.stderr)
+        say("error: the server needs its extra: pip install 'tinyflow[serve]' (starlette, uvicorn)")
         sys.exit(2)
     try:
         server = build(args)
@@ -666,13 +667,13 @@ def main(argv=None):
               flush=True)
         while not server.feed.ready.wait(0.5):
             if not server.thread.is_alive():
-                print(f"error: the engine failed to start: {server.failed}", file=sys.stderr)
+                say(f"error: the engine failed to start: {server.failed}")
                 sys.exit(1)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         sys.exit(2)
     except KeyboardInterrupt:  # while loading or compiling (the engine thread is a daemon: it goes too)
-        print("interrupted", file=sys.stderr)
+        say("interrupted")
         sys.exit(130)
     print(f"serving {server.name} on http://{args.host}:{args.port}/v1 ({server.rows} rows, {server.policy.name}, "
           f"{server.slots} slots)", file=sys.stderr, flush=True)

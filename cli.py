@@ -1,0 +1,174 @@
+"""The command line that generate.py, server.py, bench.py and eval.py share: argparse with one-line errors
+and the defaults in --help, the model and cache options, the refusal of options that would be ignored,
+reading a prompt, and how a command ends (bad input: one line and exit status 2, as argparse's own errors;
+Ctrl-C: 130; a reader gone: 1)."""
+import argparse
+import os
+import sys
+
+import parallel
+from cache import KV_DTYPES, POLICIES, PROMPT_RULES
+from model import DTYPES
+
+
+# ---- parsing -------------------------------------------------------------------------------------------
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help appends each option's default, unless its help already says it or there is none to show (None,
+    or the off state of a flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and the defaults shown in --help."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=ShowDefaults, **kwargs)
+
+    def add_argument(self, *args, **kwargs):  # an option without a help text still shows its default
+        if kwargs.get("help") is None and kwargs.get("default") is not None and kwargs.get("default") is not False:
+            kwargs["help"] = "default: %(default)s"
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def batch_size(text: str):
+    return text if text == "max" else positive_int(text)
+
+
+def add_cache_options(p: Parser):
+    """The model, cache and device options that generate.py and server.py share."""
+    p.add_argument("--budget", type=positive_int, default=None,
+                   help="KV slots per sequence and layer (default: keep every token)")
+    p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
+                   help=f"the eviction rule, one of {', '.join(POLICIES)} (default: longflow with --budget, "
+                        f"full without)")
+    p.add_argument("--sinks", type=non_negative_int, default=None,
+                   help="first tokens never evicted (default: the policy's)")
+    p.add_argument("--window", type=non_negative_int, default=None,
+                   help="recent tokens never evicted (default: the policy's)")
+    p.add_argument("--prompt-compression", default=None, choices=PROMPT_RULES,
+                   help="how a prompt longer than --budget is cut: snapkv, streaming, or decode (the policy's "
+                        "rule); default: snapkv")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                   help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 and a scale per token "
+                        "and KV head: half the bytes of bf16)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+
+
+# ---- refusals: options that would be ignored --------------------------------------------------------------
+def ignored(options: list[str], when: str, fix: str) -> ValueError:
+    """The refusal of options that would be ignored: "--a and --b only apply WHEN: FIX or drop them"."""
+    many = len(options) > 1
+    return ValueError(f"{' and '.join(options)} only {'apply' if many else 'applies'} {when}: {fix} or drop "
+                      f"{'them' if many else 'it'}")
+
+
+def check_policy_args(args):
+    """Settings that would be ignored are refused, each with what to add or drop."""
+    evicting = [f"--{name}" for name, value in (("sinks", args.sinks), ("window", args.window),
+                                                ("prompt-compression", args.prompt_compression)) if value is not None]
+    if args.policy == "full" and (args.budget is not None or evicting):
+        raise ValueError(f"--policy full keeps every token: drop {' and '.join(['--budget'] * (args.budget is not None) + evicting)}, "
+                         f"or pick a policy that evicts")
+    given = ["--policy"] * (args.policy is not None and args.policy != "full") + evicting
+    if args.budget is None and given:
+        raise ignored(given, "to a cache with a budget", "add --budget N (KV slots per sequence)")
+
+
+def check_sampling_args(args, sampling):
+    """--top-k, --top-p and --seed are refused when decoding is greedy (given or the model's default).
+    sampling: the generate.Sampling the run decodes with."""
+    given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+             if value is not None]
+    if given and sampling.temperature == 0:
+        default = "" if args.temperature is not None else ", the model default"
+        raise ignored(given, f"when sampling, and this decodes greedily (temperature 0{default})",
+                      "add --temperature T (> 0)")
+
+
+# ---- input and output ----------------------------------------------------------------------------------
+def read_prompt(args) -> str:
+    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text."""
+    if args.prompt_file is None:
+        return args.prompt
+    name = "standard input" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
+    try:
+        if args.prompt_file == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read {name}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); convert it to "
+                         f"UTF-8") from None
+
+
+def say(line: str | None):
+    """One line on stderr (None: nothing, as for another rank's copy of rank 0's error)."""
+    if line:
+        print(line, file=sys.stderr)
+
+
+def reader_gone():
+    """`generate.py ... | head -1`: the reader has gone, so has the output; end quietly (exit status 1)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
+    sys.exit(1)
+
+
+# ---- how a command ends ----------------------------------------------------------------------------------
+def run_command(body, memory_error: type[BaseException], memory_advice, interrupted=None):
+    """body() as generate.py and bench.py run it, under torchrun on every rank (rank 0 alone prints). Bad input
+    (ValueError, FileNotFoundError) is one line and exit status 2, and so is a memory_error (the line
+    memory_advice() says); Ctrl-C is interrupted() (default: the line "interrupted") and exit status 130, as on
+    a rank whose collective found rank 0 gone at Ctrl-C (quietly); a reader gone ends quietly."""
+    if parallel.rank() > 0:  # the other ranks compute the same tokens, or their share of the rows
+        sys.stdout = open(os.devnull, "w")
+    try:
+        body()
+    except (ValueError, FileNotFoundError) as e:
+        say(parallel.report(e))
+        sys.exit(2)
+    except memory_error:
+        say(parallel.report(RuntimeError(memory_advice())))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        (interrupted or say_interrupted)()
+        sys.exit(130)
+    except RuntimeError as e:
+        if not parallel.peer_gone(e):
+            raise
+        sys.exit(130)
+    except BrokenPipeError:
+        reader_gone()
+    finally:
+        parallel.stop()
+
+
+def say_interrupted():
+    say("interrupted" if parallel.rank() == 0 else None)
