@@ -114,7 +114,9 @@ def test_a_broken_chat_template_is_one_clear_line(checkpoints, tmp_path, capsys,
     llm = tinyflow.LLM(str(folder), device="cpu", compile=False)
     with pytest.raises(ValueError, match="chat template fails"):
         llm.chat([{"role": "user", "content": "Hi"}])
-    assert llm.generate(["Hi"], max_new_tokens=2)  # plain text needs no template
+    # plain text needs no template: it generates what the undamaged checkpoint does
+    want = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False).generate(["Hi"], max_new_tokens=2)
+    assert llm.generate(["Hi"], max_new_tokens=2) == want
 
 
 def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, tmp_path, capsys):
@@ -166,7 +168,7 @@ def test_help_shows_the_defaults(capsys):
         assert default in out
     for script, defaults in (("eval.py", ["default: Qwen/Qwen3-8B", "default: 0"]),
                              ("bench.py", ["default: Qwen3-8B", "default: 16384"])):
-        r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert all(d in " ".join(r.stdout.split()) for d in defaults), (script, r.stdout)
 
 
@@ -201,7 +203,7 @@ def test_ctrl_c_prints_what_was_generated_and_its_stats_then_exits_130(checkpoin
                 "--max-new-tokens", "100000", "--allow-long-context", "--device", "cpu", "--no-compile")
     first = run.stdout.read(1)  # the stream has begun: the model is generating
     run.send_signal(signal.SIGINT)
-    out, err = run.communicate(timeout=120)
+    out, err = run.communicate(timeout=300)
     assert run.returncode == 130 and first, err
     assert "Traceback" not in err and err.strip().endswith("interrupted")
     assert "generated" in out and "KV cache longflow, 40 slots/seq" in out  # the stats of what was generated
@@ -214,7 +216,7 @@ def test_a_reader_that_goes_away_ends_the_run_quietly(checkpoints):
     run.stdout.read(1)
     run.stdout.close()
     err = run.stderr.read()
-    assert run.wait(timeout=120) == 1 and err == "", err
+    assert run.wait(timeout=300) == 1 and err == "", err
 
 
 # ---- the API -----------------------------------------------------------------------------------------------
@@ -236,7 +238,9 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
         llm.generate([])
     # numpy integers are integers everywhere, and a message's content is the template's to read
     assert llm.generate(["Hi"], max_new_tokens=np.int64(3), seed=np.int64(5)) == llm.generate(["Hi"], 3, seed=5)
-    llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}], max_new_tokens=2)
+    # not refused: the conversation as the template renders it (how it renders None: test_model.py)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+    assert llm.chat(messages, max_new_tokens=2) == llm.generate([llm.tokenizer.chat(messages)], max_new_tokens=2)
 
 
 def test_api_policy_and_budget_must_go_together(checkpoints):
@@ -276,15 +280,26 @@ def test_a_batch_too_large_for_memory_names_the_batch_size(checkpoints):
         Engine(model, compile=False)._batch_size(10**6, 10**6, 10**6, 10)
 
 
+def importing_torch(pid: int) -> bool:
+    """Whether process pid has begun `import torch`: torch's C++ library is mapped into it (Linux)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+    except FileNotFoundError:  # it has ended
+        return False
+    return "libtorch_cpu" in maps or "libtorch_cuda" in maps
+
+
 @pytest.mark.parametrize("script", ["generate.py", "server.py", "bench.py"])
 def test_ctrl_c_while_torch_still_imports_is_one_line(script):
-    """A Ctrl-C in the first second lands inside `import torch`, before main() can catch anything."""
+    """A Ctrl-C inside `import torch`, before main() can catch anything: sent as soon as torch's library is
+    mapped into the process (seen in /proc, however slow the machine), while the rest of torch, then the
+    script's own modules, still import."""
     import time
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--help"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)
+    while p.poll() is None and not importing_torch(p.pid):
+        time.sleep(0.001)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
-    if p.returncode == 0:  # the machine imported torch and printed the help within 0.3 s: nothing to see
-        pytest.skip("the script finished before the Ctrl-C")
-    assert (p.returncode, err) == (130, "interrupted\n")
+    out, err = p.communicate(timeout=300)
+    assert (p.returncode, err, out) == (130, "interrupted\n", "")

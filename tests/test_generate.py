@@ -389,7 +389,9 @@ def test_tied_checkpoint_with_a_stored_lm_head_and_incomplete_llama3_config(chec
     w = load_file(folder / "model.safetensors")
     w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
     save_file(w, folder / "model.safetensors")
-    load(str(folder), torch.device("cpu"), torch.float32)
+    tied = tinyflow.LLM(str(folder), device="cpu", compile=False).score(["Hello world"], [" hello tinyflow"])
+    assert tied == tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False).score(
+        ["Hello world"], [" hello tinyflow"])  # the same model
     c = json.loads((checkpoints["llama"] / "config.json").read_text())
     del c["rope_parameters"]["factor"]
     with pytest.raises(ValueError, match="lacks \\['factor'\\]"):
