@@ -93,8 +93,8 @@ def check_policy_args(args):
     evicting = [f"--{name}" for name, value in (("sinks", args.sinks), ("window", args.window),
                                                 ("prompt-compression", args.prompt_compression)) if value is not None]
     if args.policy == "full" and (args.budget is not None or evicting):
-        raise ValueError(f"--policy full keeps every token: drop {' and '.join(['--budget'] * (args.budget is not None) + evicting)}, "
-                         f"or pick a policy that evicts")
+        dropped = ["--budget"] * (args.budget is not None) + evicting
+        raise ValueError(f"--policy full keeps every token: drop {' and '.join(dropped)}, or pick a policy that evicts")
     given = ["--policy"] * (args.policy is not None and args.policy != "full") + evicting
     if args.budget is None and given:
         raise ignored(given, "to a cache with a budget", "add --budget N (KV slots per sequence)")

@@ -17,7 +17,8 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no traceback (main() restores Ctrl-C)
     signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
@@ -155,6 +156,10 @@ class Sampler:
         self.seen.index_put_((rows, nxt), torch.ones_like(nxt, dtype=torch.bool))
         return nxt
 
+    def read(self, cols, tokens: list[list[int]]) -> list[list[int]]:
+        """What each row's output keeps of the steps in ring columns cols: their tokens (Forcing.read: records)."""
+        return tokens
+
 
 # ---- the decode step ---------------------------------------------------------------------------------
 RING = 64  # the output history is a ring of 64 steps; the host reads it every sync_every (< 64) steps
@@ -235,10 +240,33 @@ def advance_forced(logits, state: State, f: Forcing):
     push(state, nxt[:, 0])
 
 
-# Up to this batch the compiler also autotunes the layer's kernels (its matrix-vector products above all).
-# On an H200, Qwen3-8B shapes: batch 1 went from 5.29 to 4.85-4.88 ms per step for ~20 s more compile;
-# batch 8 got slower (6.42 -> 6.84 ms) and batch 231 gained nothing (37.1 vs 37.3 ms).
+# Up to this batch the compiler also autotunes the layer's kernels (its matrix-vector products above all):
+# faster at batch 1 for more compile time, slower or no faster above (measured: docs/performance.md).
 TUNED_BATCH = 1
+
+
+def autotuned(model, state: State) -> bool:
+    """Whether the compiler autotunes the step: on CUDA, up to TUNED_BATCH rows, and not under tensor parallel
+    (ranks tuned apart could pick kernels that round differently, and sample different tokens from the same
+    logits)."""
+    return state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH and model.tp.size == 1
+
+
+def compiler(enabled: bool, tune: bool):
+    """What the decode step's functions go through: torch.compile (fullgraph, static shapes; tune: autotuned
+    too), or nothing when not enabled."""
+    keep_many_versions()
+    options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
+    return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
+
+
+def keep_many_versions():
+    """Every batch shape and policy compiles its own code (a full cache's shape is the longest prompt +
+    max_new_tokens); dynamo keeps 8 versions of a function by default and, with fullgraph, fails on the ninth.
+    Replays never check the versions, so a long-lived Engine keeps many."""
+    cfg = torch._dynamo.config
+    cfg.cache_size_limit = max(cfg.cache_size_limit, 1024)
+    cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4096)
 
 
 class Stepper:
@@ -251,17 +279,7 @@ class Stepper:
     def __init__(self, model, cache, state, mode, compile=True):
         """mode: a Sampler (generate) or a Forcing (score): what decides the next token."""
         self.model, self.cache, self.state, self.mode = model, cache, state, mode
-        # every batch shape and policy compiles its own code (a full cache's shape is the
-        # longest prompt + max_new_tokens); dynamo keeps 8 versions of a function by default and, with
-        # fullgraph, fails on the ninth. Replays never check the versions, so a long-lived Engine keeps many.
-        cfg = torch._dynamo.config
-        cfg.cache_size_limit = max(cfg.cache_size_limit, 1024)
-        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4096)
-        # not under tensor parallel: ranks tuned apart could pick kernels that round differently, and sample
-        # different tokens from the same logits
-        tune = state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH and model.tp.size == 1
-        options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
-        compiled = lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if compile else fn
+        compiled = compiler(compile, tune=autotuned(model, state))
         self.run_block = compiled(run_block)
         # two functions, not one with a flag: each compiles once, so neither ever counts as a recompile
         self.advance = {False: compiled(advance_forced)} if isinstance(mode, Forcing) else \
@@ -269,21 +287,28 @@ class Stepper:
         self.graphs, self.hot = {}, False
         for hot in self.advance:
             if state.tokens.is_cuda:
-                stream = torch.cuda.Stream()  # warm up (compile, autotune, allocate) off the capture stream
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self.step(hot)
-                torch.cuda.current_stream().wait_stream(stream)
-                self.graphs[hot] = torch.cuda.CUDAGraph()
-                # one memory pool for both versions: nothing a step allocates outlives it (all it keeps goes
-                # into the static buffers), and only one of them ever runs at a time
-                pool = self.graphs[False].pool() if hot else None
-                with torch.cuda.graph(self.graphs[hot], pool=pool):
-                    self.step(hot)
+                self._warm_up(hot)
+                self._capture(hot)
             else:
                 self.step(hot)  # compiles it now, not in the middle of a generation
         cache.reset()
+
+    def _warm_up(self, hot: bool):
+        """Two steps (compile, autotune, allocate) off the capture stream, as CUDA graph capture needs."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.step(hot)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def _capture(self, hot: bool):
+        self.graphs[hot] = torch.cuda.CUDAGraph()
+        # one memory pool for both versions: nothing a step allocates outlives it (all it keeps goes
+        # into the static buffers), and only one of them ever runs at a time
+        pool = self.graphs[False].pool() if hot else None
+        with torch.cuda.graph(self.graphs[hot], pool=pool):
+            self.step(hot)
 
     def step(self, hot: bool = False):
         st = self.state
@@ -368,6 +393,98 @@ class Progress:
     prefill_s: float = 0.0
 
 
+@dataclass
+class Requests:
+    """What a run decodes for, by request number, and their outputs; generate and score hand over all of
+    them at once, in lists (serve's arrive from a feed: FedRequests)."""
+    prompts: list | dict
+    limits: list | dict  # the tokens each request produces at most
+    eos: list | dict  # the ids that end each request's output
+    seed: list | dict | None = None  # generate and serve: each request's sampling seed and Sampling
+    sampling: list | dict | None = None
+    continuations: list | None = None  # score: what teacher forcing feeds each request
+    on_done: Callable | None = None  # on_done(p, outs[p]) as request p is done
+    on_dists: Callable | None = None  # score: on_dists(p, index, logp [n, V]) (Engine.score)
+    outs: list | dict = None  # each output so far: its tokens, or teacher forcing's (token, logprob, argmax)
+    waiting: deque = field(init=False)  # the requests that have no row yet
+
+    def __post_init__(self):
+        self.outs = [[] for _ in self.prompts] if self.outs is None else self.outs
+        self.waiting = deque(range(len(self.prompts)))
+
+    def token(self, record) -> int:
+        return record[0] if self.continuations else record
+
+    def ended(self, p) -> bool:
+        """Request p's output ends with one of its EOS ids or has reached its limit."""
+        out = self.outs[p]
+        return bool(out) and (self.token(out[-1]) in self.eos[p] or len(out) == self.limits[p])
+
+    def stopped(self, p) -> bool:  # only a feed stops requests early
+        return False
+
+    def keep(self, p, records) -> int:
+        """Add a block's records to request p's output, up to its end (a request stopped early still keeps
+        what this block decoded); returns the output's length before."""
+        out, before = self.outs[p], len(self.outs[p])
+        for r in records:
+            if not self.ended(p):
+                out.append(r)
+        return before
+
+    def settle(self, p) -> bool:
+        """After request p's output grew: whether it is done (ended or stopped), then handed over."""
+        if self.ended(p) or self.stopped(p):
+            self.release(p)
+            return True
+        self.progress(p)
+        return False
+
+    def progress(self, p):  # only a feed is told the tokens of requests still running
+        pass
+
+    def release(self, p):
+        if self.on_done:
+            self.on_done(p, self.outs[p])
+
+
+class FedRequests(Requests):
+    """serve's requests, numbered as they arrive from the feed (feed.arrivals, between syncs), stopped early
+    when it says so (feed.stopped), their tokens told at every sync (feed.progress) and at their end
+    (feed.finished), then forgotten: a server runs for ever."""
+
+    def __init__(self, feed):
+        super().__init__({}, {}, {}, seed={}, sampling={}, on_done=feed.finished, outs={})
+        self.feed, self.arrived = feed, 0  # arrived: requests the feed has handed over
+
+    def arrive(self, idle: bool) -> bool:
+        """Take the feed's new requests (idle: nothing runs, so this waits for one); False: the server stops."""
+        arrived = self.feed.arrivals(idle=idle)
+        if arrived is None:
+            return False
+        for prompt, limit, ends, sample_with, sample_seed in arrived:
+            self.waiting.append(self.arrived)
+            for values, value in ((self.prompts, prompt), (self.limits, limit), (self.eos, ends),
+                                  (self.sampling, sample_with), (self.seed, sample_seed), (self.outs, [])):
+                values[self.arrived] = value
+            self.arrived += 1
+        for p in [p for p in self.waiting if self.stopped(p)]:  # gone before they got a row: no prefill
+            self.waiting.remove(p)
+            self.release(p)
+        return True
+
+    def stopped(self, p) -> bool:
+        return self.feed.stopped(p)
+
+    def progress(self, p):
+        self.feed.progress(p, self.outs[p])
+
+    def release(self, p):
+        super().release(p)
+        for values in (self.prompts, self.outs, self.sampling, self.eos, self.limits, self.seed):
+            del values[p]
+
+
 class Engine:
     """Owns the model and, per batch shape, the cache, the state buffers and the compiled step.
 
@@ -424,8 +541,9 @@ class Engine:
         if not all(-2**63 <= s < 2**63 for s in seed):  # the decode step keeps them in an int64 tensor
             raise ValueError(f"seeds must fit in 64 bits (-2**63 <= seed < 2**63; with one seed, prompt i gets "
                              f"seed + i); got {max(seed, key=abs)}")
-        return drain(self._serve(prompts, [max_new_tokens] * len(prompts), [set(eos_ids)] * len(prompts), budget, policy,
-                                 prompt_rule, sampling, batch_size, seed=seed, on_tokens=on_tokens, on_done=on_done))
+        requests = Requests(prompts, [max_new_tokens] * len(prompts), [set(eos_ids)] * len(prompts), seed, sampling,
+                            on_done=on_done)
+        return drain(self._serve(requests, budget, policy, prompt_rule, "sample", batch_size, on_tokens))
 
     def score(self, prompts: list[list[int]], continuations: list[list[int]], budget: int | None = None,
               policy: str | Policy | None = None, batch_size: int | None = None, prompt_rule: str = "snapkv",
@@ -452,15 +570,13 @@ class Engine:
         # of many lengths share one compiled step (the index into it is clamped, the padding never fed)
         length = max(RING, 2 ** math.ceil(math.log2(max(map(len, continuations)))))
         forcing = (length, on_dists is not None)
-        return (yield from self._serve(prompts, [len(c) for c in continuations], [set()] * len(prompts), budget, policy,
-                                       prompt_rule, forcing, batch_size, continuations=continuations,
-                                       on_dists=on_dists))
+        requests = Requests(prompts, [len(c) for c in continuations], [set()] * len(prompts),
+                            continuations=continuations, on_dists=on_dists)
+        return (yield from self._serve(requests, budget, policy, prompt_rule, forcing, batch_size))
 
-    def _serve(self, prompts, limits: list[int], eos: list[set], budget, policy, prompt_rule, mode, batch_size,
-               seed=None, on_tokens=None, on_done=None, continuations=None, on_dists=None):
-        """The common part of generate and score, a generator that yields at every host sync. mode: the
-        Sampling of each prompt, or (continuation buffer length, keep_dists) for teacher forcing. limits: the
-        tokens each prompt produces at most; eos: the ids that end each prompt's output."""
+    def _serve(self, requests: Requests, budget, policy, prompt_rule, mode, batch_size, on_tokens=None):
+        """The common part of generate and score, a generator that yields at every host sync. mode: "sample",
+        or (continuation buffer length, keep_dists) for teacher forcing."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if not isinstance(policy, Policy):
@@ -468,21 +584,20 @@ class Engine:
         if (budget is None) != (policy.rule == "fill"):
             raise ValueError(f"policy {policy.name or policy.rule!r} and budget {budget} do not go together: an "
                              f"evicting policy needs a budget, the full policy takes none")
+        prompts, limits = requests.prompts, requests.limits
         self.check_context(prompts, limits)
         longest = max(map(len, prompts))
         if budget is None:  # no compression: room for every token
             budget = longest + max(limits)
-        dists = 4 * RING * self.model.cfg.vocab_size if on_dists else 0  # bytes per row of Forcing.dists
+        dists = 4 * RING * self.model.cfg.vocab_size if requests.on_dists else 0  # bytes per row of Forcing.dists
         batch = self._batch_size(batch_size, len(prompts), budget, longest, dists)
         t0 = sync_time(self.device)
-        sampling = mode if isinstance(mode, list) else None
-        self._prepare(batch, budget, policy, prompt_rule, "sample" if sampling else mode)
+        self._prepare(batch, budget, policy, prompt_rule, mode)
         t1 = sync_time(self.device)
-        run = Progress([[] for _ in prompts])
+        run = Progress(requests.outs)
         stats = lambda: self._stats(prompts, run, batch, t1 - t0, sync_time(self.device) - t1, budget, policy)
         try:
-            yield from self._run(run, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations,
-                                 on_dists)
+            yield from self._run(run, requests, on_tokens)
         except KeyboardInterrupt:
             raise Interrupted(run.outs, stats()) from None
         return run.outs, stats()
@@ -569,102 +684,83 @@ class Engine:
         which requests to stop early (feed.stopped(i)) and is given each one's tokens (feed.progress(i, ids)
         at every sync, feed.finished(i, ids) at its end)."""
         self._prepare(batch_size, slots, policy, prompt_rule, "sample")
-        # by request number, each forgotten once its request is done: a server runs for ever
-        yield from self._run(Progress({}), {}, {}, {}, {}, {}, None, feed.finished, None, None, feed)
+        requests = FedRequests(feed)
+        yield from self._run(Progress(requests.outs), requests)
 
-    def _run(self, run: Progress, prompts, limits, eos, seed, sampling, on_tokens, on_done, continuations,
-             on_dists, feed=None):
-        """Decode until every prompt is done, refilling rows as they free up, yielding after each host sync.
-        Fills run.outs: per prompt its tokens, or with teacher forcing its (token, logprob, argmax) records.
-        With a feed (serve), prompts arrive between syncs and the loop waits for them when it has none."""
-        B = self.state.tokens.shape[0]
+    def _run(self, run: Progress, requests: Requests, on_tokens=None):
+        """Decode until every request is done, refilling rows as they free up, yielding after each host sync.
+        Fills run.outs (requests.outs). With a feed (serve), requests arrive between syncs and the loop waits
+        for them when it has none."""
+        serving = [None] * self.state.tokens.shape[0]  # the request each row decodes for
+        fed = isinstance(requests, FedRequests)  # serve: requests arrive between syncs
         self.state.count.zero_()
-        outs = run.outs
-        serving = [None] * B  # the prompt each row decodes for
-        waiting = deque(range(len(prompts)))
-        token = (lambda r: r[0]) if continuations else (lambda r: r)
-        stopped = feed.stopped if feed else lambda p: False
-        ended = lambda p: bool(outs[p]) and (token(outs[p][-1]) in eos[p] or len(outs[p]) == limits[p])
-        done = lambda p: ended(p) or stopped(p)
-
-        def release(b, p):  # prompt p is done: hand its output over and free its row (if it had one)
-            if b is not None:
-                serving[b] = None
-            if on_done:
-                on_done(p, outs[p])
-            if feed:  # a server runs for ever: forget what it has handed over
-                for values in (prompts, outs, sampling, eos, limits, seed):
-                    del values[p]
-
-        steps_read = arrivals = 0  # arrivals: requests the feed has handed over
+        steps_read = 0
         while True:
-            if feed:  # new requests; when nothing runs, this waits for one (None: the server stops)
-                arrived = feed.arrivals(idle=not waiting and all(p is None for p in serving))
-                if arrived is None:
-                    return
-                for prompt, limit, ends, sample_with, sample_seed in arrived:
-                    waiting.append(arrivals)
-                    for values, value in ((prompts, prompt), (limits, limit), (eos, ends), (sampling, sample_with),
-                                          (seed, sample_seed), (outs, [])):
-                        values[arrivals] = value
-                    arrivals += 1
-                for p in [p for p in waiting if stopped(p)]:  # gone before they got a row: no prefill
-                    waiting.remove(p)
-                    release(None, p)
-                free = [b for b in range(B) if serving[b] is None]
-                if free:  # a free row keeps decoding junk: without this, a full cache's row would fill up
-                    self.cache.reset(torch.tensor(free, device=self.device))
-            while waiting and None in serving:  # fill free rows (a prompt may end at its first token)
-                rows = [b for b in range(B) if serving[b] is None][:len(waiting)]
-                taken = [waiting.popleft() for _ in rows]
-                t = sync_time(self.device)
-                firsts = self._admit(rows, prompts, taken, seed, sampling, continuations, on_dists)
-                for b, p, first in zip(rows, taken, firsts):
-                    outs[p].append(first)
-                    serving[b] = p
-                    if done(p):
-                        release(b, p)
-                    elif feed:
-                        feed.progress(p, outs[p])
-                run.prefill_s += sync_time(self.device) - t
+            if fed and not self._take_arrivals(requests, serving):
+                return  # the server stops
+            while requests.waiting and None in serving:  # fill free rows (a request may end at its first token)
+                run.prefill_s += self._fill_free_rows(requests, serving)
             if on_tokens:
-                on_tokens(outs[0])
+                on_tokens(requests.outs[0])
             if all(p is None for p in serving):
-                if feed:
-                    continue
+                if fed:
+                    continue  # a server waits for its next request
                 return
-            if sampling:  # the step that sorts the vocabulary only while some row samples
-                self.stepper.hot = any(sampling[p].temperature > 0 for p in serving if p is not None)
+            if requests.sampling:  # the step that sorts the vocabulary only while some row samples
+                self.stepper.hot = any(requests.sampling[p].temperature > 0 for p in serving if p is not None)
             for _ in range(self.sync_every):
                 self.stepper()
             # the one host sync every sync_every steps. Its index lives on the host and the device copies are
             # freed at once, so the GPU memory in use stays the same from the first token to the last (bench.py
             # --validate asserts it; an index kept on the GPU until the next sync added one block after the first)
             cols = torch.arange(steps_read, steps_read + self.sync_every) % RING
-            new = self.state.history[:, cols].tolist()
-            if continuations:
-                new = self.mode.read(cols, new)
+            block = self.mode.read(cols, self.state.history[:, cols].tolist())  # [B][sync_every] records
             steps_read += self.sync_every
-            for b, p in enumerate(serving):
-                if p is None:
-                    continue
-                before = len(outs[p])
-                for r in new[b]:  # up to its end; a row stopped early still keeps what this block decoded
-                    if not ended(p):
-                        outs[p].append(r)
-                if on_dists:
-                    on_dists(p, before, self.mode.dists[b, cols[:len(outs[p]) - before]])
-                if done(p):
-                    release(b, p)
-                elif feed:
-                    feed.progress(p, outs[p])
+            self._keep_block(requests, serving, block, cols)
             yield
 
-    def _admit(self, rows: list[int], prompts, taken: list[int], seed, sampling, continuations, on_dists) -> list:
-        """Prefill prompts `taken` into cache `rows`, set those rows' decode state, and return each
-        prompt's first output: a sampled token, or with teacher forcing the first continuation token's
+    def _take_arrivals(self, requests: FedRequests, serving: list) -> bool:
+        """serve, at every sync: the feed's new requests (when nothing runs, this waits for one). A free row keeps
+        decoding junk, so its cache is emptied each time (else a full cache's row would fill up). False: the
+        server stops."""
+        if not requests.arrive(idle=not requests.waiting and all(p is None for p in serving)):
+            return False
+        free = [b for b in range(len(serving)) if serving[b] is None]
+        if free:
+            self.cache.reset(torch.tensor(free, device=self.device))
+        return True
+
+    def _fill_free_rows(self, requests: Requests, serving: list) -> float:
+        """Prefill waiting requests into the free rows, each with its first output (a request done at once
+        frees its row again). Returns the seconds it took."""
+        rows = [b for b in range(len(serving)) if serving[b] is None][:len(requests.waiting)]
+        taken = [requests.waiting.popleft() for _ in rows]
+        t = sync_time(self.device)
+        firsts = self._admit(rows, requests, taken)
+        for b, p, first in zip(rows, taken, firsts):
+            requests.outs[p].append(first)
+            serving[b] = p
+            if requests.settle(p):
+                serving[b] = None
+        return sync_time(self.device) - t
+
+    def _keep_block(self, requests: Requests, serving: list, block: list, cols):
+        """Each busy row's records of the block (ring columns cols) into its request's output; with teacher
+        forcing's on_dists, their log-distributions handed over too. A request that is done frees its row."""
+        for b, p in enumerate(serving):
+            if p is None:
+                continue
+            before = requests.keep(p, block[b])
+            if requests.on_dists:
+                requests.on_dists(p, before, self.mode.dists[b, cols[:len(requests.outs[p]) - before]])
+            if requests.settle(p):
+                serving[b] = None
+
+    def _admit(self, rows: list[int], requests: Requests, taken: list[int]) -> list:
+        """Prefill requests `taken` into cache `rows`, set those rows' decode state, and return each
+        request's first output: a sampled token, or with teacher forcing the first continuation token's
         record. Groups of about PREFILL_TOKENS padded tokens at a time."""
-        firsts = []
+        prompts, firsts = requests.prompts, []
         while rows:
             n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
             group, rows, batch, taken = rows[:n], rows[n:], taken[:n], taken[n:]
@@ -678,30 +774,36 @@ class Engine:
             lengths = torch.tensor([len(prompts[p]) for p in batch], device=self.device)
             logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, rows=r,
                                 last=lengths - 1)  # [n, V]
-            if continuations:
-                first, records = self._force_first(group, batch, lengths, logits, continuations, on_dists)
+            if requests.continuations:
+                first, records = self._force_first(group, batch, lengths, logits, requests)
             else:
-                seeds = torch.tensor([seed[p] for p in batch], device=self.device)
-                self.mode.start(r, [sampling[p] for p in batch], [prompts[p] for p in batch])
-                first = self.mode.pick(logits, seeds, lengths, r)
-                self.state.seeds[r], records = seeds, first.tolist()
+                first, records = self._sample_first(r, batch, lengths, logits, requests)
             self.state.tokens[r], self.state.positions[r] = first, lengths
             firsts += records
         return firsts
 
-    def _force_first(self, rows: list[int], batch, lengths, logits, continuations, on_dists):
+    def _sample_first(self, r, batch, lengths, logits, requests: Requests):
+        """The first token of requests `batch`, sampled from their prompts' last logits [n, V] with their own
+        settings; rows r [n] take their settings and seeds. Returns the tokens [n], and as a list (their records)."""
+        seeds = torch.tensor([requests.seed[p] for p in batch], device=self.device)
+        self.mode.start(r, [requests.sampling[p] for p in batch], [requests.prompts[p] for p in batch])
+        first = self.mode.pick(logits, seeds, lengths, r)
+        self.state.seeds[r], records = seeds, first.tolist()
+        return first, records
+
+    def _force_first(self, rows: list[int], batch, lengths, logits, requests: Requests):
         """Teacher forcing: the prompts' last logits score each continuation's first token; the rows get
         their continuation, which the step then feeds. Returns the first tokens [n] and their records."""
-        f, r = self.mode, torch.tensor(rows, device=self.device)
+        f, r, continuations = self.mode, torch.tensor(rows, device=self.device), requests.continuations
         f.tokens[r] = 0
         for row, p in zip(rows, batch):
             f.tokens[row, :len(continuations[p])] = torch.tensor(continuations[p], device=self.device)
         f.start[r] = lengths
         first = f.tokens[r, 0]
         logp = logits.log_softmax(-1)  # [n, V]
-        if on_dists:
+        if requests.on_dists:
             for i, p in enumerate(batch):
-                on_dists(p, 0, logp[i:i + 1])
+                requests.on_dists(p, 0, logp[i:i + 1])
         records = zip(first.tolist(), logp.gather(1, first[:, None])[:, 0].tolist(), logits.argmax(-1).tolist())
         return first, list(records)
 
