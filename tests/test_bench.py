@@ -14,7 +14,22 @@ TINY = ["--shape", "tiny", "--device", "cpu", "--no-compile"]
 
 
 def bench(*argv):
-    return subprocess.run([sys.executable, "bench.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # the timeout only bounds a hang: far above what a loaded two-core machine takes
+    return subprocess.run([sys.executable, "bench.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+def bench_in_process(monkeypatch, capsys, *argv):
+    """bench.main() in this process (no second import of torch): (exit status, stdout, stderr)."""
+    import bench as bench_module
+    monkeypatch.setattr(sys, "argv", ["bench.py", *map(str, argv)])
+    capsys.readouterr()
+    try:
+        bench_module.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def strict_json(path):
@@ -44,18 +59,17 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert all(f"long-prompt, {cache}" in r.stderr for cache in ("full", "50%", "budget 40"))  # the bars
 
 
-def test_bench_transformers_baseline_runs_on_cpu(tmp_path):
+def test_bench_transformers_baseline_runs_on_cpu(tmp_path, monkeypatch, capsys):
     out = tmp_path / "hf.json"
-    r = bench("hf", "--shape", "tiny", "--device", "cpu", "--batch", "2", "--new-tokens", "16", "--prompt-len", "8",
-              "--json", str(out))
-    assert r.returncode == 0, r.stderr
+    code, _, err = bench_in_process(monkeypatch, capsys, "hf", "--shape", "tiny", "--device", "cpu", "--batch", "2",
+                                    "--new-tokens", "16", "--prompt-len", "8", "--json", out)
+    assert code == 0, err
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["batch"] == 2 and row["tokens_per_s"] > 0
-
-
-def test_bench_transformers_baseline_runs_with_two_new_tokens():
-    r = bench("hf", "--shape", "tiny", "--device", "cpu", "--batch", "1", "--new-tokens", "2", "--prompt-len", "8")
-    assert r.returncode == 0, r.stderr  # its shorter run generates one token, not none (which transformers refuses)
+    assert (row["batch"], row["prompt_len"]) == (2, 8) and row["tokens_per_s"] > 0
+    # with two new tokens its shorter run generates one token, not none (which transformers refuses)
+    code, _, err = bench_in_process(monkeypatch, capsys, "hf", "--shape", "tiny", "--device", "cpu", "--batch", "1",
+                                    "--new-tokens", "2", "--prompt-len", "8")
+    assert code == 0, err
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +82,14 @@ def sweep(tmp_path_factory):
     return r, out
 
 
-def test_bench_sweeps_batches_and_budgets_and_runs_the_full_cache_once(sweep):
+def test_bench_sweeps_batches_and_budgets_and_runs_the_full_cache_once(sweep, monkeypatch, capsys):
     _, out = sweep
     runs = sorted((row["policy"], row["slots"], row["batch"]) for row in json.loads(out.read_text())["rows"])
     assert runs == [("full", 54, 1), ("full", 54, 3), ("longflow", 40, 1), ("longflow", 40, 3),
                     ("longflow", 48, 1), ("longflow", 48, 3)]
-    bad = bench("long-prompt", "--shape", "tiny", "--device", "cpu", "--budget", "40", "48")
-    assert bad.returncode != 0 and bad.stderr.strip().startswith("error: the long-prompt workload takes one --budget")
+    code, _, err = bench_in_process(monkeypatch, capsys, "long-prompt", "--shape", "tiny", "--device", "cpu", "--budget",
+                                    "40", "48")
+    assert code == 2 and err.startswith("error: the long-prompt workload takes one --budget"), err
 
 
 def test_bench_json_is_strict_with_null_for_nan(sweep):
@@ -127,11 +142,22 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
     pytest.param("checkpoint --shape tiny --device cpu --out {tmp}", "is not an empty folder",
                  id="checkpoint-over-a-folder"),
 ])
-def test_bench_refuses_bad_input_in_one_line_before_running(tmp_path, argv, message):
+def test_bench_refuses_bad_input_in_one_line_before_running(tmp_path, monkeypatch, capsys, argv, message):
+    """In this process (bench.main, as the command runs it): one import of torch for all of them;
+    test_bench_refuses_in_one_line_as_a_process checks the same as a process of its own."""
     (tmp_path / "something").write_text("")
-    r = bench(*argv.format(tmp=tmp_path).split())
-    assert r.returncode == 2, r.stderr
-    assert r.stdout == ""  # refused before the benchmark started (its first line names the device)
+    code, out, err = bench_in_process(monkeypatch, capsys, *argv.format(tmp=tmp_path).split())
+    assert code == 2, err
+    assert out == ""  # refused before the benchmark started (its first line names the device)
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [(f"{SMALL} --policy foo", "invalid choice: 'foo'"),  # argparse's
+                                           (f"{SMALL} --budget 10", "budget 10 is too small")],  # bench's own
+                         ids=["argparse", "check_args"])
+def test_bench_refuses_in_one_line_as_a_process(argv, message):
+    r = bench(*argv.split())
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
     assert r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1 and message in r.stderr, r.stderr
 
 
@@ -145,7 +171,7 @@ def test_bench_ctrl_c_exits_130_in_one_line_and_writes_the_finished_rows(tmp_pat
             if line.startswith("workload="):  # the first row is measured
                 proc.send_signal(signal.SIGINT)
                 break
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
@@ -155,12 +181,12 @@ def test_bench_ctrl_c_exits_130_in_one_line_and_writes_the_finished_rows(tmp_pat
     assert all(row["tokens_per_s"] > 0 for row in record["rows"])
 
 
-def test_bench_generate_rows_say_which_budget_they_measured(tmp_path):
+def test_bench_generate_rows_say_which_budget_they_measured(tmp_path, monkeypatch, capsys):
     out = tmp_path / "generate.json"
-    r = subprocess.run([sys.executable, "bench.py", "generate", "--shape", "tiny", "--device", "cpu", "--no-compile",
-                        "--batch", "1", "--budget", "40", "48", "--new-tokens", "8", "--prompt-len", "8", "--json",
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    code, _, err = bench_in_process(monkeypatch, capsys, "generate", "--shape", "tiny", "--device", "cpu", "--no-compile",
+                                    "--batch", "1", "--budget", "40", "48", "--new-tokens", "8", "--prompt-len", "8",
+                                    "--json", out)
+    assert code == 0, err
     runs = sorted((row["policy"], row["slots"]) for row in json.loads(out.read_text())["rows"])
     assert runs == [("full", 16), ("longflow", 40), ("longflow", 48)]
 
@@ -192,13 +218,14 @@ def test_the_prefill_floor_counts_every_layer_weight_and_the_causal_attention():
     assert bench.prefill_floor(model, T, bench.Machine(bandwidth=1.0, matmul_rate=1e9)) == pytest.approx(flops / 1e9)
 
 
-def test_bench_checkpoint_writes_the_random_weights_as_a_folder_that_loads_exactly(tmp_path):
+def test_bench_checkpoint_writes_the_random_weights_as_a_folder_that_loads_exactly(tmp_path, monkeypatch, capsys):
     """The folder server.py serves on a machine that cannot download: its weights are random_model's (stored
     in bf16, so compared after the same rounding) and its tokenizer reads "tK" as token id K."""
     import bench as bench_module  # the module; bench() runs it as a command
     import tinyflow
-    r = bench("checkpoint", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "ckpt"))
-    assert r.returncode == 0, r.stderr
+    code, _, err = bench_in_process(monkeypatch, capsys, "checkpoint", "--shape", "tiny", "--device", "cpu", "--out",
+                                    tmp_path / "ckpt")
+    assert code == 0, err
     llm = tinyflow.LLM(str(tmp_path / "ckpt"), device="cpu", compile=False)
     want = bench_module.random_model(bench_module.Config.from_dict(bench_module.SHAPES["tiny"]), torch.device("cpu"), torch.float32)
     got = dict(llm.model.named_parameters())
