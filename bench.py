@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import kernel
-from cache import KV_DTYPES, POLICIES, KVCache, resolve_policy, unit_key_sum
+from cache import KV_DTYPES, KVCache
+from policies import POLICIES, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
 from cli import Parser, non_negative_int, positive_int, run_command
@@ -283,7 +284,8 @@ class StepTimer:
 
 
 def fill_cache(cache: KVCache, filled: int):
-    """Random K/V in the first `filled` slots of every layer and sequence, positions 0..filled-1."""
+    """Random K/V in the first `filled` slots of every layer and sequence, positions 0..filled-1, and what
+    the policy keeps recomputed from them (random values for what is history: accumulated scores, queries)."""
     for layer in cache.layers:
         if cache.fp8:  # random e4m3 bits below 0x7F (NaN), so finite values in [0, 448], scaled to [0, 1]
             layer.k.random_(0, 0x7F)
@@ -293,18 +295,15 @@ def fill_cache(cache: KVCache, filled: int):
         else:
             layer.k.normal_()
             layer.v.normal_()
-        keys = lambda: kernel.dequantize(layer.k, layer.k_scale) if cache.fp8 else layer.k  # a layer at a time
-        if cache.policy.keeps_vnorm:
-            layer.vnorm.copy_(kernel.l1_norm(kernel.dequantize(layer.v, layer.v_scale) if cache.fp8 else layer.v))
-        if cache.policy.keeps_queries:
-            layer.queries.normal_()
-        if cache.policy.keeps_key_norm:
-            layer.score.copy_(keys().float().norm(dim=-1))
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
-        if cache.policy.keeps_key_sum:
-            layer.key_sum.copy_(unit_key_sum(keys(), layer.pos))
         layer.next_slot.fill_(min(filled, cache.slots - 1))
+        for name, kept in cache.policy.keeps.items():
+            value = kept.recompute(cache.with_values(layer))  # a layer at a time
+            if value is None:
+                layer.kept[name].normal_()
+            else:
+                layer.kept[name].copy_(value)
 
 
 def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[str]]:

@@ -7,7 +7,8 @@ import os
 import sys
 
 import parallel
-from cache import KV_DTYPES, POLICIES, PROMPT_RULES
+from cache import KV_DTYPES
+from policies import POLICIES, PROMPT_RULES
 from model import DTYPES
 
 

@@ -398,7 +398,7 @@ def needle_kept(llm, conv: list[dict], item: dict, ids: list[int] | None = None)
     if ids is not None and ids != enc.ids:
         raise ValueError("needle_kept: the prompt's ids are not those of its rendered conversation")
     T, tensor = len(enc.ids), lambda data: torch.tensor(data, device=llm.device)
-    full = llm.budget is None or llm.policy.rule == "fill"  # as generation does: room for every token
+    full = llm.budget is None or not llm.policy.evicts  # as generation does: room for every token
     cache = KVCache(llm.model.cfg, 1, T + 1 if full else llm.budget, llm.device, llm.dtype, llm.policy,
                     llm.prompt_rule, llm.engine.kv_dtype, llm.model.tp)
     llm.model(tensor([enc.ids]), tensor([list(range(T))]), cache, rows=tensor([0]), last=tensor([T - 1]))
@@ -730,7 +730,8 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
     """Score every text with the full cache and with each (policy, budget, prompt rule) run, advancing them in turn
     one host sync at a time. Returns the full cache's scores and, per run, its scores with a "kl" list
     per text (KL(full || run) at every position)."""
-    from cache import KV_DTYPES, resolve_policy
+    from cache import KV_DTYPES
+    from policies import resolve_policy
     from generate import Engine
     prompts, conts = [t["prompt"] for t in texts], [t["continuation"] for t in texts]
     # one batch size for all: rows refill at the same steps, so the blocks of every run line up
@@ -961,7 +962,7 @@ def run_fidelity(args):
 def fidelity_runs(specs: list[str], kv_dtype: str = "auto") -> list[tuple[str, int, str]]:
     """The runs to compare, checked before anything loads: a policy or budget that cannot work fails now,
     not after an hour. The full cache is the reference, so a `full` run is dropped, unless it stores FP8."""
-    from cache import resolve_policy
+    from policies import resolve_policy
     runs = [parse_run(r) for r in specs]
     if any(r[1] is None for r in runs if r[0] != "full"):
         raise ValueError("every compressed run needs a budget: write POLICY:BUDGET, e.g. longflow:64")
@@ -1159,7 +1160,7 @@ def run_main(args):
 def eval_runs(specs: list[str], proto: Protocol) -> list[tuple[str, int | None, str]]:
     """The runs to evaluate, a run without a budget taking the protocol's; checked before anything loads, so
     that a run that cannot work fails now, not after the others ran."""
-    from cache import resolve_policy
+    from policies import resolve_policy
     runs = [parse_run(r) for r in specs]
     runs = list(dict.fromkeys((policy, proto.budget if budget is None and policy != "full" else budget, rule)
                               for policy, budget, rule in runs))  # longflow and longflow:2048 may be one run

@@ -3,6 +3,7 @@ Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's ten
 (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are stored fused (FUSED)."""
 import json
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from cache import KVCache, Layer, in_order, is_int
+from cache import KVCache, Layer
 from parallel import SINGLE, Group
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -142,6 +143,11 @@ SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
+def is_int(x) -> bool:
+    """An integer (a Python or numpy one), and not a bool (which Python counts as one)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -206,6 +212,23 @@ def rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def prefill_attention(q, k, v):
+    """Causal attention over right-padded prompts (each row of positions 0, 1, 2, ..., then padding -1, as
+    the engine prefills them). q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]. No mask is needed: a real query's
+    earlier keys are all real, so SDPA's causal kernel (a flash-attention kernel, never T x T scores)
+    gives their outputs exactly; padding queries get finite outputs, which are discarded. (Transformer.forward
+    checks the order, once for all layers: the check is a host sync.)"""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H_q, T, D]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def in_order(positions) -> bool:
+    """Each row of positions [B, T] is 0, 1, 2, ..., then only padding (-1). One host sync (prefill only)."""
+    ramp = torch.arange(positions.shape[1], device=positions.device)
+    return bool(((positions == ramp) | (positions < 0)).all() and (positions[:, 1:] < 0).ge(positions[:, :-1] < 0).all())
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -227,7 +250,8 @@ class Attention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if rows is not None:  # prefill whole prompts into these cache rows
-            out = cache.prefill(layer, q, k, v, positions, rows)  # [B, H_q, T, D]
+            out = prefill_attention(q, k, v)  # [B, H_q, T, D]
+            cache.prefill(layer, q, k, v, positions, rows)
         else:
             out = cache.decode(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], positions[:, 0])[:, :, None]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -288,7 +312,7 @@ class Transformer(nn.Module):
         index `last` [B] of each row when given (prefill needs only the last prompt token's logits).
         run_block(block, ...) runs each layer: the decode step passes one compiled function for them all.
         Prefill takes right-padded prompts (each row's positions 0, 1, 2, ..., then -1): its attention needs
-        no mask (cache.prefill_attention), so other orders are refused here, once for all layers."""
+        no mask (prefill_attention), so other orders are refused here, once for all layers."""
         if rows is not None and not in_order(positions):
             raise ValueError("prefill takes right-padded prompts: each row's positions 0, 1, 2, ..., then -1")
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]

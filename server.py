@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no traceback (main() restores Ctrl-C)
     signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
 
-from cache import KV_DTYPES, resolve_policy
+from cache import KV_DTYPES
+from policies import resolve_policy
 from generate import Engine, Sampling, pick_device
 from cli import Parser, add_cache_options, check_policy_args, positive_int, say
 import parallel

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 
 def check_own_modules():
-    """tinyflow's files are top-level modules (model, cache, kernel, generate, parallel): a file of the same name
+    """tinyflow's files are top-level modules (model, cache, policies, kernel, generate, parallel): a file of the same name
     earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "kernel", "model", "generate", "parallel"):
+    for name in ("cache", "kernel", "model", "generate", "parallel", "policies"):
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec else None
         if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
@@ -24,7 +24,8 @@ def check_own_modules():
 
 
 check_own_modules()
-from cache import KV_DTYPES, resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
+from cache import KV_DTYPES
+from policies import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
 from generate import Engine, Interrupted, Sampling, Stats, pick_device  # noqa: E402
 from model import load  # noqa: E402
 from parallel import join  # noqa: E402
@@ -51,7 +52,7 @@ class LLM:
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
-        cache.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm). sinks / window: first /
+        policies.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm). sinks / window: first /
         most recent tokens never evicted (default: the policy's own). prompt_compression: for prompts
         longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
         allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise).

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import generate
 import tinyflow
-from cache import POLICIES, KVCache
+from cache import KVCache
+from policies import POLICIES
 from generate import Engine
 from model import load
 from test_generate import ROOT, cli  # the command line run in-process: (exit code, stdout, stderr)

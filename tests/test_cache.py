@@ -9,10 +9,16 @@ import torch.nn.functional as F
 
 import kernel
 
-from cache import (POLICIES, SNAPKV_WINDOW, KVCache, attention_column_sums, prefill_attention, random_score,
-                   resolve_policy, snapkv_score, top_tokens, unit_key_sum)
+from cache import KVCache
 from generate import Engine
-from model import load
+from model import load, prefill_attention
+from policies import (POLICIES, SNAPKV_WINDOW, attention_column_sums, random_score, resolve_policy, snapkv_score,
+                      top_tokens, unit)
+
+
+def unit_key_sum(k, pos):
+    """The sum of the unit vectors of the keys held (pos >= 0): [B, H_kv, S, D] -> [B, H_kv, D] fp32."""
+    return (unit(k) * (pos >= 0)[..., None]).sum(2)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +93,7 @@ def test_each_slots_kept_value_norm_is_that_of_the_value_it_holds(qwen3, policy)
     cache = KVCache(model.cfg, 2, 53, "cpu", torch.float32, policy)  # vatp needs 53 slots
     for c in run_steps(model, cache, [list(range(3, 70)), [5, 6, 7]], 25):
         for layer in c.layers:
-            assert torch.equal(layer.vnorm, layer.v.abs().sum(-1))
+            assert torch.equal(layer.kept["value_l1"], layer.v.abs().sum(-1))
     pos = torch.stack([layer.pos for layer in cache.layers])  # [L, B, H_kv, S]
     assert (pos[:, 1] == -1).any() and (pos[:, 0] >= 0).all()  # empty slots in the short row, none in the long
 
@@ -222,7 +228,8 @@ def full_cache(policy, S=8, n_q=2):
     cache.layers[0].pos[:] = torch.arange(S, dtype=torch.int32)
     cache.layers[0].k[:] = 0.0
     cache.layers[0].v[:] = 1.0
-    cache.layers[0].vnorm[:] = 4.0 if cache.policy.keeps_vnorm else 0.0  # ||v||_1 of those values
+    if "value_l1" in cache.policy.keeps:
+        cache.layers[0].kept["value_l1"][:] = 4.0  # ||v||_1 of those values
     cache.layers[0].next_slot[:] = S - 1
     q = torch.zeros(1, n_q, 4)
     k = torch.zeros(1, 2, 4)
@@ -244,7 +251,7 @@ def test_knorm_evicts_the_largest_key_norm_of_each_kv_head():
     cache, *args = full_cache("knorm")
     cache.layers[0].k[0, 0, 2] = 3.0  # the largest key of head 0 is in slot 2, of head 1 in slot 5
     cache.layers[0].k[0, 1, 5] = 3.0
-    cache.layers[0].score[0] = cache.layers[0].k[0].norm(dim=-1)  # norms are recorded when keys are written
+    cache.layers[0].kept["key_norm"][0] = cache.layers[0].k[0].norm(dim=-1)  # norms are recorded when keys are written
     assert step(cache, *args) == [2, 5]
 
 
@@ -256,11 +263,11 @@ def test_keydiff_evicts_the_key_closest_to_the_mean_unit_key():
     eye = torch.eye(4)
     for slot, key in enumerate([eye[0], eye[1], eye[2], eye[3], eye[0], eye[1], torch.ones(4)]):
         c.k[0, :, slot] = key
-    c.key_sum[:] = F.normalize(c.k[0], dim=-1).sum(1)  # slot 7's key is zero: its unit vector counts for nothing
-    c.score[:] = c.k.norm(dim=-1)  # key norms are recorded when keys are written
+    c.kept["key_sum"][:] = F.normalize(c.k[0], dim=-1).sum(1)  # slot 7's key is zero: its unit vector counts for nothing
+    c.kept["key_norm"][:] = c.k.norm(dim=-1)  # key norms are recorded when keys are written
     k[:] = eye[2]
     assert step(cache, q, k, v, positions) == [6, 6]
-    assert torch.allclose(c.key_sum[0], F.normalize(c.k[0], dim=-1).sum(1))  # the new key in, slot 7's out
+    assert torch.allclose(c.kept["key_sum"][0], F.normalize(c.k[0], dim=-1).sum(1))  # the new key in, slot 7's out
 
 
 def test_longflow_evicts_a_zero_value_that_tova_keeps():
@@ -271,8 +278,8 @@ def test_longflow_evicts_a_zero_value_that_tova_keeps():
         q[..., 0] = 4.0
         cache.layers[0].k[0, :, 3, 0] = 2.0  # q . k_3 is large
         cache.layers[0].v[0, :, 3] = 0.0
-        if cache.policy.keeps_vnorm:  # norms are recorded when values are written
-            cache.layers[0].vnorm[:] = cache.layers[0].v.abs().sum(-1)
+        if "value_l1" in cache.policy.keeps:  # norms are recorded when values are written
+            cache.layers[0].kept["value_l1"][:] = cache.layers[0].v.abs().sum(-1)
         assert step(cache, q, k, v, positions) == [want, want], policy
 
 
@@ -284,7 +291,7 @@ def test_h2o_keeps_a_token_that_was_attended_before_even_when_not_now():
     cache.layers[0].k[0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
     q2 = q.clone()
     assert 5 not in step(cache, q2, k, v, positions + 1)  # ... but its accumulated score keeps it
-    assert cache.layers[0].score[0, :, 5].min() > cache.layers[0].score[0, :, 6].max()
+    assert cache.layers[0].kept["acc"][0, :, 5].min() > cache.layers[0].kept["acc"][0, :, 6].max()
 
 
 def test_vatp_never_evicts_its_twenty_sinks():
@@ -302,8 +309,8 @@ def test_rkv_evicts_the_most_redundant_key_when_attention_is_even():
     for slot in range(9):
         c.k[0, :, slot] = eye[slot % 4]
     c.k[0, :, 9:] = 0.0  # the window's keys count for nothing in the sum of unit keys
-    c.key_sum[:] = F.normalize(c.k[0], dim=-1).sum(1)
-    c.score[:] = c.k.norm(dim=-1)
+    c.kept["key_sum"][:] = F.normalize(c.k[0], dim=-1).sum(1)
+    c.kept["key_norm"][:] = c.k.norm(dim=-1)
     assert step(cache, q, k, v, positions) == [0, 0]
 
 
@@ -315,30 +322,30 @@ def test_rkv_evicts_the_least_attended_neighbourhood_when_keys_are_alike():
     c = cache.layers[0]
     for slot in range(16):
         c.k[0, :, slot, 0] = 3.0 - 0.3 * slot
-    c.key_sum[:] = F.normalize(c.k[0], dim=-1).sum(1)
-    c.score[:] = c.k.norm(dim=-1)
-    c.queries[:] = 0.0
-    c.queries[..., 0] = 1.0
+    c.kept["key_sum"][:] = F.normalize(c.k[0], dim=-1).sum(1)
+    c.kept["key_norm"][:] = c.k.norm(dim=-1)
+    c.kept["queries"][:] = 0.0
+    c.kept["queries"][..., 0] = 1.0
     q[..., 0] = 1.0
     assert step(cache, q, k, v, positions) == [8, 8]
-    assert (c.queries[0, :, 16 % 8] == q[0]).all()  # the new query went into the ring at position % 8
+    assert (c.kept["queries"][0, :, 16 % 8] == q[0]).all()  # the new query went into the ring at position % 8
 
 
 def test_rkv_score_matches_its_formula_with_the_whole_cosine_matrix():
     """rkv_score takes the mean similarity from the running sum of unit keys; here it is computed from the
     n x n cosine matrix (diagonal left out), and importance from the queries directly, with the paper's
     lambda = 0.1 and R-KV's pooling window of 7."""
-    from cache import rkv_score
+    from policies import rkv_score
     torch.manual_seed(0)
     cache = KVCache(Tiny, 1, 20, "cpu", torch.float32, resolve_policy("rkv", 40))
     c = cache.layers[0]
     c.k.normal_()
-    c.queries.normal_()
+    c.kept["queries"].normal_()
     c.pos[:] = torch.randperm(20, dtype=torch.int32)  # positions in no particular slot order
     c.pos[0, :, 4] = -1  # an empty slot
     held = c.pos[0, 0] >= 0
-    c.key_sum[:] = (F.normalize(c.k[0], dim=-1) * held[:, None]).sum(1)
-    c.score[:] = c.k.norm(dim=-1)
+    c.kept["key_sum"][:] = (F.normalize(c.k[0], dim=-1) * held[:, None]).sum(1)
+    c.kept["key_norm"][:] = c.k.norm(dim=-1)
     protected = (c.pos >= 12)  # some slots protected
     got = rkv_score(c, protected)[0]  # [H_kv, S]
     scored = held & ~protected[0, 0]
@@ -350,7 +357,7 @@ def test_rkv_score_matches_its_formula_with_the_whole_cosine_matrix():
         similarity = (cos * held).sum(1) / (held.sum() - 1)
         redundancy = torch.zeros(20)
         redundancy[scored] = similarity[scored].softmax(0)
-        logits = c.queries[0, h:h + 1] @ keys.T / 2  # [1 query head per KV head, W, S]; sqrt(4) = 2
+        logits = c.kept["queries"][0, h:h + 1] @ keys.T / 2  # [1 query head per KV head, W, S]; sqrt(4) = 2
         alpha = torch.zeros(8, 20)
         alpha[:, scored] = logits[0][:, scored].softmax(-1)
         attention = alpha.mean(0)
@@ -371,7 +378,7 @@ def test_running_sum_of_unit_keys_stays_the_sum_over_the_held_keys(qwen3, policy
     engine.generate(prompts, 60, [], budget=41, policy=policy, batch_size=2)
     for c in engine.cache.layers:
         held = (c.pos >= 0)[..., None]
-        assert torch.allclose(c.key_sum, (F.normalize(c.k.float(), dim=-1) * held).sum(2), atol=1e-4)
+        assert torch.allclose(c.kept["key_sum"], (F.normalize(c.k.float(), dim=-1) * held).sum(2), atol=1e-4)
 
 
 def test_random_draws_afresh_every_step_and_per_kv_head():
@@ -463,8 +470,8 @@ def test_h2o_and_vatp_start_from_the_prompts_attention_column_sums(policy):
         if policy == "vatp":
             want = want * v[row, :, :n].abs().sum(-1)
         # fp32 sums of the same terms in another order: equal to rounding
-        assert torch.allclose(cache.layers[0].score[row, :, :n], want, atol=1e-6)
-        assert (cache.layers[0].score[row, :, n:] == 0).all()
+        assert torch.allclose(cache.layers[0].kept["acc"][row, :, :n], want, atol=1e-6)
+        assert (cache.layers[0].kept["acc"][row, :, n:] == 0).all()
 
 
 def test_column_sums_do_not_depend_on_the_query_chunk():
@@ -487,7 +494,7 @@ def test_h2o_compresses_a_long_prompt_by_its_accumulated_score(qwen3):
     assert set(range(90 - window, 90)) <= set(c.pos[0, 0].tolist())
     kept = c.pos[0, 0, :59]
     assert kept.tolist() == sorted(kept.tolist())  # prompt order
-    assert (c.score[0, :, :59] > 0).all()  # seeded, not zero
+    assert (c.kept["acc"][0, :, :59] > 0).all()  # seeded, not zero
 
 
 # ---- an FP8 cache ---------------------------------------------------------------------------------------------
@@ -503,10 +510,10 @@ def test_every_policy_keeps_its_budget_with_an_fp8_cache(qwen3, policy):
         held = layer.pos >= 0
         assert layer.k.dtype == torch.uint8 and (held.sum(-1) == 53).all()
         values = kernel.dequantize(layer.v, layer.v_scale)
-        if engine.cache.policy.keeps_vnorm:
-            assert torch.equal(layer.vnorm[held], kernel.l1_norm(values)[held])
-        if engine.cache.policy.keeps_key_norm:
-            torch.testing.assert_close(layer.score[held], kernel.dequantize(layer.k, layer.k_scale).norm(dim=-1)[held])
+        if "value_l1" in engine.cache.policy.keeps:
+            assert torch.equal(layer.kept["value_l1"][held], kernel.l1_norm(values)[held])
+        if "key_norm" in engine.cache.policy.keeps:
+            torch.testing.assert_close(layer.kept["key_norm"][held], kernel.dequantize(layer.k, layer.k_scale).norm(dim=-1)[held])
 
 
 @pytest.mark.parametrize("policy", ["keydiff", "rkv"])
@@ -518,7 +525,7 @@ def test_fp8_key_sum_stays_the_sum_of_the_stored_unit_keys_in_a_bf16_model(check
     engine.generate([list(range(5, 75)), list(range(9, 40))], 200, [], budget=40, policy=policy)
     for layer in engine.cache.layers:
         stored = kernel.dequantize(layer.k, layer.k_scale)
-        torch.testing.assert_close(layer.key_sum, unit_key_sum(stored, layer.pos), atol=1e-4, rtol=0)
+        torch.testing.assert_close(layer.kept["key_sum"], unit_key_sum(stored, layer.pos), atol=1e-4, rtol=0)
 
 
 def test_a_reused_fp8_row_keeps_no_value_scale_of_its_previous_sequence(qwen3):
@@ -538,8 +545,8 @@ def test_fp8_cache_bytes_count_one_byte_a_value_and_two_scales_a_slot(qwen3):
     cfg = qwen3[0].cfg
     for policy in ("longflow", "rkv", "full"):
         cache = KVCache(cfg, 2, 40, "cpu", torch.float32, policy, kv_dtype=kernel.FP8)
-        kept = [t for layer in cache.layers for name, t in vars(layer).items()
-                if name not in ("next_slot", "index", "heads") and t.numel() > 1]  # not the stand-ins of unused buffers
+        kept = [t for layer in cache.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.pos,
+                                                       *layer.kept.values())]
         assert KVCache.bytes_needed(cfg, 2, 40, torch.float32, cache.policy, kernel.FP8) == \
             sum(t.numel() * t.element_size() for t in kept)
 

@@ -6,7 +6,8 @@ import torch
 
 import eval as ev
 import kernel
-from cache import KVCache, resolve_policy
+from cache import KVCache
+from policies import resolve_policy
 from model import load
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import generate
 import tinyflow
 from generate import Engine, apply_penalty, sample, uniform_noise
-from cache import POLICIES, hash32
+from policies import POLICIES, hash32
 from model import Config, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,9 +212,9 @@ def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     cfg, dtype = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
     fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
     row = generate.bytes_per_row(cfg, 3200, dtype)
-    # 2 layers x 2 KV heads x (K and V of 32 bf16, the int32 position, at most two fp32 values kept beside a
-    # slot), the key sum and query ring the rules may keep, + the sampling buffers and the penalty's seen ids
-    kv = 2 * (2 * (3200 * (2 * 32 * 2 + 4 + 8) + 4 * 32) + cfg.n_heads * 8 * 32 * 2)
+    # 2 layers x 2 KV heads x 3200 slots x (K and V of 32 bf16, the int32 position, and the most any policy keeps
+    # beside a slot: vatp's two fp32 values), + the sampling buffers and the penalty's seen ids
+    kv = 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 8)
     assert row == kv + 41 * 320
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
     assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0

@@ -459,7 +459,7 @@ def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
     """A free row keeps decoding junk; unless its cache is emptied at every sync, a full cache's row fills
     up and every step reads all of its slots."""
     import generate
-    from cache import resolve_policy
+    from policies import resolve_policy
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = generate.Engine(model, compile=False)
 
@@ -485,7 +485,7 @@ def test_a_request_that_ends_in_the_block_where_shutdown_begins_keeps_every_toke
     """The shutdown stops rows at the next sync; a row whose last token is in the block read there has
     ended by itself, keeps every token, and the handler is not told it was cut short."""
     import generate
-    from cache import resolve_policy
+    from policies import resolve_policy
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = generate.Engine(model, compile=False)
     limit = 1 + engine.sync_every  # the first token at prefill, the rest in the first block

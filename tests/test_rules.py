@@ -1,0 +1,201 @@
+"""Every registered policy, checked by what it declares and by what its paper defines.
+
+A new policy gets these tests by registering in policies.POLICIES and adding its formula to SPECS below:
+  - the slot it evicts is the argmin of the score it declares (empty slots first, protected ones never);
+  - what it keeps beside the slots matches a recomputation from scratch (running sums, the query ring) or,
+    for what accumulates, the sum of its formula over the steps each token was held;
+  - its score is the formula of its paper, written out here apart from policies.py;
+  - with prompt compression "decode" it keeps the top of its own score over the prompt;
+  - the memory planner counts exactly the tensors it keeps.
+The cache is driven directly (one layer, no model), on the CPU through the kernel's PyTorch reference.
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache import KVCache
+from policies import POLICIES, RecentQueries, random_score, resolve_policy
+
+B, H_Q, H_KV, D, S = 2, 4, 2, 8, 64  # S: every policy's smallest budget fits (vatp: 20 sinks + 32 + 1)
+CFG = SimpleNamespace(n_layers=1, n_heads=H_Q, n_kv_heads=H_KV, head_dim=D)
+EVICTING = [name for name, p in POLICIES.items() if p.evicts]
+
+
+# ---- the papers' formulas, written out apart from policies.py ------------------------------------------
+# Each takes the layer's keys and values [B, H_kv, S, D], positions [B, H_kv, S], this step's queries
+# [B, H_q, D], the newest position [B], the last 8 queries [B, H_q, 8, D] and the layer, and returns the
+# score of every slot (lowest goes): [B, H_kv, S] per KV head, [B, 1, S] for one score of the layer.
+def alpha(q, k, pos):
+    """The current query's softmax weights over the held slots: [B, H_kv, group, S]."""
+    logits = torch.einsum("bhgd,bhsd->bhgs", q.view(B, H_KV, -1, D), k) / math.sqrt(D)
+    return logits.masked_fill((pos < 0)[:, :, None], -math.inf).softmax(-1)
+
+
+def l1(v):
+    return v.abs().sum(-1)[:, :, None]  # [B, H_kv, 1, S]
+
+
+def rkv_formula(k, v, pos, q, now, recent, layer):
+    """R-KV: 0.1 * importance - 0.9 * redundancy over the held, unprotected slots (the last 8 are
+    protected); importance from the whole query group's max logit, pooled over 7 neighbours in position
+    order; redundancy from the full cosine matrix, each key's mean similarity to the other held keys."""
+    scored = (pos >= 0) & (pos <= now[:, None, None] - 8)
+    logits = torch.einsum("bhgwd,bhsd->bhgws", recent.view(B, H_KV, -1, 8, D), k).amax(2) / math.sqrt(D)
+    importance = logits.masked_fill(~scored[:, :, None], -math.inf).softmax(-1).nan_to_num(0).mean(2)
+    order = pos.argsort(-1)
+    pooled = F.max_pool1d(importance.gather(-1, order), 7, stride=1, padding=3)
+    importance = torch.zeros_like(importance).scatter(-1, order, pooled)
+    unit = F.normalize(k, dim=-1)
+    cos = (unit @ unit.transpose(-1, -2)) * (pos >= 0)[:, :, None, :]  # [B, H_kv, S, S] over held partners
+    mean_cos = (cos.sum(-1) - 1) / ((pos >= 0).sum(-1, keepdim=True) - 1)
+    redundancy = mean_cos.masked_fill(~scored, -math.inf).softmax(-1).nan_to_num(0)
+    return 0.1 * importance - 0.9 * redundancy
+
+
+SPECS = {
+    # LongFlow: mean over every query head of alpha_i * ||v_i||_1, one decision per layer
+    "longflow": lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None],
+    "longflow-head": lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2),
+    # TOVA: mean over every query head of alpha_i
+    "tova": lambda k, v, pos, q, *_: alpha(q, k, pos).mean((1, 2))[:, None],
+    # H2O and VATP accumulate this step's score over every step a token is held (ACCUMULATING)
+    "h2o": lambda k, v, pos, q, *_: alpha(q, k, pos).mean(2),
+    "vatp": lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2),
+    # StreamingLLM: the oldest goes
+    "streaming": lambda k, v, pos, *_: pos.float(),
+    # KeyDiff: the key most cosine-similar to the mean of the held keys' unit vectors goes
+    "keydiff": lambda k, v, pos, *_: -F.cosine_similarity(
+        k, (F.normalize(k, dim=-1) * (pos >= 0)[..., None]).sum(2, keepdim=True), dim=-1),
+    "rkv": rkv_formula,
+    # random: its definition is the hash of (position, layer, KV head, step)
+    "random": lambda k, v, pos, q, now, recent, layer: random_score(pos, layer.index, layer.heads, now),
+    # Knorm: the largest key norm goes
+    "knorm": lambda k, v, pos, *_: -k.norm(dim=-1),
+}
+ACCUMULATING = {"h2o", "vatp"}
+
+
+def prompt_column_sums(q, k, v, name):
+    """H2O / VATP's score of each prompt token after the prompt: the causal attention every prompt query
+    gave it, summed over the queries, averaged over the KV head's query group (times ||v||_1 for VATP)."""
+    T = k.shape[2]
+    logits = torch.einsum("bhgtd,bhsd->bhgts", q.view(B, H_KV, -1, T, D), k) / math.sqrt(D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    cols = logits.masked_fill(~causal, -math.inf).softmax(-1).sum(3).mean(2)  # [B, H_kv, T]
+    return cols * v.abs().sum(-1) if name == "vatp" else cols
+
+
+# ---- a run: a prompt that fills the cache, then decode steps that evict -------------------------------
+def run(name, steps=12, seed=0):
+    """Prefill S - 1 random tokens, then decode `steps` more; yields after each step (cache, layer, the
+    step's queries, its position, the last 8 queries [B, H_q, 8, D], the accumulated formula by slot)."""
+    torch.manual_seed(seed)
+    cache = KVCache(CFG, B, S, "cpu", torch.float32, resolve_policy(name, S))
+    c, T = cache.layers[0], S - 1
+    q, k, v = torch.randn(B, H_Q, T, D) * 2, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
+    cache.prefill(c, q, k, v, torch.arange(T).expand(B, T), torch.arange(B))
+    queries = [q[:, :, t] for t in range(T)]
+    acc = torch.zeros(B, H_KV, S)
+    if name in ACCUMULATING:
+        acc[:, :, :T] = prompt_column_sums(q, k, v, name)
+    for t in range(T, T + steps):
+        qt, kt, vt = torch.randn(B, H_Q, D) * 2, torch.randn(B, H_KV, D), torch.randn(B, H_KV, D)
+        slot = c.next_slot.clone()
+        cache.decode(c, qt, kt, vt, torch.full((B,), t))
+        queries.append(qt)
+        recent = torch.stack(queries[-8:], 2)
+        if name in ACCUMULATING:
+            acc.scatter_(2, slot[..., None], 0.0)  # the new token starts from nothing
+            acc += SPECS[name](c.k, c.v, c.pos, qt, None, recent, c)
+        yield cache, c, qt, t, recent, acc
+
+
+def protected(pos, p):
+    newest = pos.amax(-1, keepdim=True)
+    return (pos >= 0) & ((pos < p.n_sink) | (pos > newest - p.window))
+
+
+def expected_slot(score, pos, p):
+    """The lowest-index empty slot, else the lowest score among the unprotected: per KV head, or on the
+    mean over the heads (every head then holds the same positions). Returns [B, H_kv]."""
+    guarded, empty = protected(pos, p), pos < 0
+    if not p.per_head:
+        score, guarded, empty = score.mean(1, keepdim=True), guarded[:, :1], empty[:, :1]
+    score = score.masked_fill(guarded, math.inf).masked_fill(empty, -math.inf)
+    return score.argmin(-1).expand(B, H_KV)
+
+
+# ---- the tests ------------------------------------------------------------------------------------------
+def test_every_registered_policy_has_its_formula_here():
+    assert set(EVICTING) == set(SPECS), "add the paper's formula of each new policy to SPECS"
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_each_evicted_slot_is_the_argmin_of_the_declared_score(name):
+    p = POLICIES[name]
+    for cache, c, q, t, *_ in run(name):
+        score = p.score(cache.with_values(c), q, torch.full((B,), t))
+        assert torch.equal(c.next_slot, expected_slot(score, c.pos, cache.policy)), f"step at position {t}"
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_the_declared_score_is_the_papers_formula(name):
+    """fp32 on both sides, summed in other orders: equal to rounding."""
+    p = POLICIES[name]
+    for cache, c, q, t, recent, acc in run(name):
+        now = torch.full((B,), t)
+        got = p.score(cache.with_values(c), q, now)
+        want = acc if name in ACCUMULATING else SPECS[name](c.k, c.v, c.pos, q, now, recent, c)
+        ranked = ((c.pos >= 0) & ~protected(c.pos, cache.policy))[:, :got.shape[1]]  # what the argmin compares
+        torch.testing.assert_close(got.expand_as(want)[ranked], want.expand_as(got)[ranked], rtol=1e-5, atol=1e-6,
+                                   msg=f"{name} at position {t}")
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_what_a_policy_keeps_matches_a_recomputation_from_the_slots(name):
+    p = POLICIES[name]
+    for cache, c, q, t, recent, acc in run(name):
+        held = c.pos >= 0
+        for what, kept in p.keeps.items():
+            value, kept_now = kept.recompute(cache.with_values(c)), c.kept[what]
+            if isinstance(kept, RecentQueries):  # the last 8 queries, at column position % 8
+                for back in range(8):
+                    assert torch.equal(kept_now[:, :, (t - back) % 8], recent[:, :, 7 - back]), what
+            elif what == "acc":
+                torch.testing.assert_close(kept_now[held], acc[held], rtol=1e-5, atol=1e-6)  # fp32, other order
+            elif value.shape == held.shape:  # a value per slot, written with the token: exact
+                assert torch.equal(kept_now[held], value[held]), what
+            else:  # a running sum, one key in and one out per step: fp32 rounding accumulates
+                torch.testing.assert_close(kept_now, value, rtol=0, atol=1e-5, msg=what)
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_prompt_compression_by_the_policy_keeps_the_top_of_its_prompt_score(name):
+    torch.manual_seed(1)
+    p = resolve_policy(name, S, prompt_rule="decode")
+    cache = KVCache(CFG, B, S, "cpu", torch.float32, p, "decode")
+    c, T = cache.layers[0], 100
+    q, k, v = torch.randn(B, H_Q, T, D) * 2, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
+    positions = torch.arange(T).expand(B, T)
+    pos = positions[:, None].expand(B, H_KV, T)
+    score = p.prompt_score(c, q, k, v, pos, p.prompt_seed(cache, q, k, v, positions))
+    score = score.expand(B, H_KV, T) if p.per_head else score.mean(1, keepdim=True).expand(B, H_KV, T)
+    ranked = score.masked_fill(protected(pos, p), math.inf).sort(dim=-1, descending=True, stable=True).indices
+    cache.prefill(c, q, k, v, positions, torch.arange(B))
+    assert torch.equal(c.pos[..., :S - 1].sort(-1).values, ranked[..., :S - 1].sort(-1).values.int())
+    assert (c.pos[..., S - 1] == -1).all()  # the last slot waits for the first new token
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_the_memory_planner_counts_exactly_what_the_cache_allocates(name):
+    p = POLICIES[name] if name == "full" else resolve_policy(name, S)
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        cache = KVCache(CFG, B, S, "cpu", torch.float32, p, kv_dtype=kv_dtype)
+        c = cache.layers[0]
+        scales = (c.k_scale, c.v_scale) if kv_dtype else ()
+        tensors = (c.k, c.v, c.pos, *scales, *c.kept.values())
+        assert KVCache.bytes_needed(CFG, B, S, torch.float32, p, kv_dtype) == \
+            sum(t.numel() * t.element_size() for t in tensors)
