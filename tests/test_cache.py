@@ -583,3 +583,16 @@ def test_prefill_attention_needs_no_mask_for_right_padded_prompts(checkpoints):
     for bad in ([[1, 2, 3]], [[0, -1, 2]]):
         with pytest.raises(ValueError, match="right-padded prompts"):
             model(torch.tensor([[5, 6, 7]]), torch.tensor(bad), cache, rows=torch.tensor([0]))
+
+
+@pytest.mark.parametrize("policy", ["longflow", "h2o", "rkv"])
+def test_a_prompt_exactly_as_long_as_the_budget_is_cut_to_leave_a_slot_for_the_first_new_token(policy):
+    torch.manual_seed(0)
+    S = 40
+    cache = KVCache(Tiny, 1, S, "cpu", torch.float32, resolve_policy(policy, S))
+    c = cache.layers[0]
+    q, k, v = torch.randn(1, 2, S, 4), torch.randn(1, 2, S, 4), torch.randn(1, 2, S, 4)
+    cache.prefill(c, q, k, v, torch.arange(S)[None], torch.arange(1))
+    assert ((c.pos >= 0).sum(-1) == S - 1).all() and (c.next_slot == S - 1).all()
+    cache.decode(c, torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.tensor([S]))
+    assert (c.pos[..., S - 1] == S).all()  # the first new token took the slot left empty

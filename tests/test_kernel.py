@@ -236,6 +236,19 @@ def test_protected_sink_and_recent_tokens_are_never_chosen(fn, per_head):
     assert fn(q, k, v, pos, per_head=per_head, n_sink=2, window=2)[1].tolist() == [[slot_of[2]] * 2]
 
 
+@BOTH
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("n_sink, window, guarded", [(2, 0, (0, 1)), (0, 2, (38, 39))],
+                         ids=["sinks_alone", "window_alone"])
+def test_sinks_alone_or_a_window_alone_are_protected(fn, per_head, n_sink, window, guarded):
+    """H2O has a window and no sinks, a user may give sinks and no window: either alone protects."""
+    q, k, v, pos = hand_made()
+    slot_of = {p: int((pos[0, 0] == p).nonzero()) for p in range(40)}
+    v[:, :, [slot_of[p] for p in guarded]] = 0  # the lowest scores, but protected
+    v[:, :, slot_of[20]] = 0.5  # the lowest among the rest
+    assert fn(q, k, v, pos, per_head=per_head, n_sink=n_sink, window=window)[1].tolist() == [[slot_of[20]] * 2]
+
+
 @pytest.fixture(params=["split", "no_split"])
 def chunked(request, monkeypatch):
     """Score 16 slots per program (so 100 slots make 7 chunks, the last one of 4), with the slots split
@@ -280,10 +293,10 @@ def test_all_empty_but_one(chunked, per_head, full):
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
 def test_accumulated_scores_over_chunks(chunked, per_head):
-    """Several chunks, 3 KV heads (padded to 4 rows), sink and window, and an acc that starts below zero
-    (negative scores must order correctly in the packed keys)."""
+    """Several chunks, 3 KV heads (padded to 4 rows), sink and window, and an acc far below zero, so every
+    score compared stays negative (negative floats must order correctly in the packed keys)."""
     _, k, v, pos = make_inputs(2, 6, 3, 100, 64, n_empty=3, seed=4)
-    acc_triton = -torch.rand(2, 3, 100, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 1e-2
+    acc_triton = -(1 + torch.rand(2, 3, 100, generator=torch.Generator().manual_seed(5)).to(DEVICE)) * 10
     acc_ref = acc_triton.clone()
     for step in range(2):
         q = make_inputs(2, 6, 3, 100, 64, seed=20 + step)[0]
@@ -291,6 +304,7 @@ def test_accumulated_scores_over_chunks(chunked, per_head):
         assert_same(kernel.decode_attention(q, k, v, pos, acc=acc_triton, **options),
                     kernel.decode_attention_ref(q, k, v, pos, acc=acc_ref, **options))
         torch.testing.assert_close(acc_triton, acc_ref, atol=1e-6, rtol=1e-5)
+    assert acc_ref.max() < 0  # still negative after both steps
 
 
 # torch.compile hands a user kernel's float arguments to Triton as fp64 and its ints possibly as int64; the
