@@ -25,7 +25,8 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 
 import torch
 
-from cache import KV_DTYPES, POLICIES, KVCache, Policy, hash32, is_int, resolve_policy
+from cache import KV_DTYPES, KVCache
+from policies import POLICIES, Policy, hash32, is_int, resolve_policy
 from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args, positive_int,
                  read_prompt, run_command)
 import kernel
@@ -522,7 +523,7 @@ class Engine:
                  batch_size: int | None = None, on_tokens=None, prompt_rule: str = "snapkv",
                  on_done=None) -> tuple[list[list[int]], Stats]:
         """Generate for token-id prompts; returns the new ids of each (EOS included when produced)
-        and the run's statistics. policy: a name from cache.POLICIES or a resolved Policy (None: longflow
+        and the run's statistics. policy: a name from policies.POLICIES or a resolved Policy (None: longflow
         with a budget, full without). sampling: one
         Sampling for all prompts or one per prompt (rows with different settings share the batch).
         batch_size: rows decoded together (default: all prompts, or as many as fit).
@@ -581,8 +582,8 @@ class Engine:
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if not isinstance(policy, Policy):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
-        if (budget is None) != (policy.rule == "fill"):
-            raise ValueError(f"policy {policy.name or policy.rule!r} and budget {budget} do not go together: an "
+        if (budget is None) == policy.evicts:
+            raise ValueError(f"policy {policy.name!r} and budget {budget} do not go together: an "
                              f"evicting policy needs a budget, the full policy takes none")
         prompts, limits = requests.prompts, requests.limits
         self.check_context(prompts, limits)
@@ -607,7 +608,7 @@ class Engine:
         longest = max(len(p) + len(o) for p, o in zip(prompts, outs) if o) if any(outs) else 0  # a full cache's rows
         admitted = sum(len(p) for p, o in zip(prompts, outs) if o)  # all, unless interrupted
         return Stats(admitted, sum(map(len, outs)), batch, setup_s, run.prefill_s,
-                     seconds - run.prefill_s, policy.name or policy.rule, slots,
+                     seconds - run.prefill_s, policy.name, slots,
                      "fp8" if self.kv_dtype == kernel.FP8 else str(self.dtype).removeprefix("torch."),
                      # every rank's KV heads (cfg is one rank's part under tensor parallel)
                      self.model.tp.size * KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
