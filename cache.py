@@ -128,7 +128,8 @@ class KVCache:
         if not self.fp8:
             return (k, v), k, v
         (k_bits, k_scale), (v_bits, v_scale) = kernel.quantize(k), kernel.quantize(v)
-        return (k_bits, v_bits, k_scale, v_scale), kernel.dequantize(k_bits, k_scale), kernel.dequantize(v_bits, v_scale)
+        held = kernel.dequantize(k_bits, k_scale), kernel.dequantize(v_bits, v_scale)
+        return (k_bits, v_bits, k_scale, v_scale), *held
 
     def stored_tensors(self, c: Layer) -> tuple:
         return (c.k, c.v, c.k_scale, c.v_scale) if self.fp8 else (c.k, c.v)

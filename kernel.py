@@ -6,9 +6,33 @@ the next token will overwrite (the lowest-index empty slot, else the argmin of t
     out, evict = decode_attention(q, k, v, pos)        # the Triton path (a torch.compile-able custom op)
     out, evict = decode_attention_ref(q, k, v, pos)    # the readable spec, same signature and results
 
-Both take q [B, H_q, D], k and v [B, H_kv, S, D] (keys after RoPE) and pos [B, H_kv, S] (the position
-held by each slot, -1 when empty), and return out [B, H_q, D] in q's dtype and evict [B, H_kv] int64.
-Empty slots must hold finite K/V (the cache zero-fills them): they are masked out of the softmax.
+Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [B, H_kv] int64:
+
+  argument          shape, dtype              what it is
+  q                 [B, H_q, D]               this step's queries
+  k, v              [B, H_kv, S, D]           the slots' keys (after RoPE) and values; finite in empty slots
+                                              (the cache zero-fills them)
+  pos               [B, H_kv, S] int          the position each slot holds, -1 when empty
+  per_head          bool                      one decision per KV head (mean over its query group), else one
+                                              per layer (mean over every query head; evict then holds the
+                                              same slot in every column, and per-layer masks are OR-ed over
+                                              the KV heads, which all hold the same positions)
+  n_sink, window    int                       never evict positions < n_sink, or > newest - window (newest:
+                                              the row's largest position)
+  select            bool                      False: attention only, evict is -1
+  value_norm        bool                      score alpha * ||v||_1 (LongFlow), or alpha alone (TOVA)
+  acc               [B, H_kv, S] fp32 | None  the step's score is added into it in place and its argmin
+                                              taken instead (H2O, VATP); per layer every column gets the
+                                              same score and column 0 is compared
+  limit             [B, H_kv] int64 | None    select=False only: slots from limit on count as empty (a cache
+                                              filled in order)
+  vnorm             [B, H_kv, S] fp32 | None  ||v||_1 of every slot, when the caller keeps it (else computed)
+  k_scale, v_scale  [B, H_kv, S] fp32 | None  an FP8 cache: k, v are the uint8 bits of e4m3 values
+                                              (quantize), attended and scored as the values they hold
+  partial           bool                      return the score itself in place of evict, before protection
+                                              and empty slots: [B, S] per layer (the mean over these heads,
+                                              for tensor-parallel ranks that decide together), [B, H_kv, S]
+                                              per head (the reference only); no acc, and select
 
 The Triton path: _attend_kernel reads K/V once (flash-decoding splits when the batch is small) and stores
 each head's logits; _finish_kernel merges the splits and, in parallel over chunks of slots, turns the
@@ -63,23 +87,8 @@ def dequantize(bits, scale, dtype=torch.float32):
 
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
                          acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False):
-    """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin.
-
-    per_head: one decision per KV head (mean over its query group) instead of one per layer (mean over
-    all query heads; evict then holds the same slot in every column, and per-layer masks are OR-ed over
-    KV heads, which all hold the same positions in a per-layer cache).
-    n_sink / window: never evict positions < n_sink, or > newest - window (newest = max pos of the row).
-    select=False: attention only, evict is -1. value_norm=False: score is mean_h alpha (TOVA).
-    acc [B, H_kv, S] fp32: the step's score is added into it in place and its argmin is taken instead
-    (H2O / VATP); per layer every column gets the same score and column 0 is the one compared.
-    limit [B, H_kv] (select=False only): slots from limit on count as empty (a cache filled in order).
-    vnorm [B, H_kv, S] fp32: ||v_i||_1 of every slot, if the caller keeps it (computed from v otherwise).
-    k_scale, v_scale [B, H_kv, S] fp32: an FP8 cache (k, v the uint8 bits of e4m3 values; see quantize),
-    attended and scored as the values it holds.
-    partial: return the score itself in place of evict, before protection and empty slots: [B, S] per layer
-    (the mean over these heads: under tensor parallel the ranks' parts are averaged, then decided on),
-    [B, H_kv, S] per head (the reference only: the kernel gives the per-layer one); no acc, and select.
-    """
+    """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin. The
+    arguments: the table at the top of this file."""
     if partial and (acc is not None or not select):
         raise ValueError("partial scores are this step's (no acc) and need select")
     B, H_q, D = q.shape
@@ -117,15 +126,10 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 # valid slot gives exp(-inf - NEG_BIG) = 0 and exp(NEG_BIG - NEG_BIG) = 1, never exp(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1e30)
 KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
-# Launch settings, from sweeps on the H200 (bf16, 32/8 heads, D 128, S 3200, batch 1 to 256): attention with
-# selection 2 warps and 2 stages (batch 64: 235 us; 4 warps 316), without it 4 warps and 2 stages (SDPA's
-# speed); the finish kernel 2 warps when it only scores (4: +2% at batch 64), 4 when it also merges the
-# splits of a small batch (batch 1: 4.3 us against 7.6 with 2).
+# Launch settings, each the fastest of sweeps on the H200 (measured: docs/performance.md, "Kernel launch
+# settings"): attention by selection, the finish kernel by split, attention over an FP8 cache
 ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
-FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=2)}  # by split
-# With an FP8 cache (sweeps on the H200, batch 64 / 256, with selection): 2 warps and 3 stages, 161 / 612 us
-# (before the weight scaling below); 2 stages 181 / 680 us; 4 warps 292 / 894 us. Blocks of 128 slots at 4
-# warps, and V read as [D, S] (slots contiguous), were no faster (attend kernel alone, 2026-12-01)
+FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=2)}
 FP8_ATTEND_LAUNCH = dict(num_warps=2, num_stages=3)
 
 
@@ -181,19 +185,8 @@ def _attend_kernel(
         p = tl.load(pos_ptr + slots * sp_s, mask=in_range, other=-1).to(tl.int32)  # [BLOCK_S]
         kb = tl.load(k_ptr + slots[:, None] * sk_s + dims[None, :] * sk_d, mask=in_range[:, None], other=0.0)
         vb = tl.load(v_ptr + slots[:, None] * sv_s + dims[None, :] * sv_d, mask=in_range[:, None], other=0.0)
-        # FP8: e4m3 is exact in fp16 (and fp32); each slot's scale multiplies its logit and its weight below.
-        # e4m3 -> fp16 is one hardware conversion, so 16-bit queries meet the keys and the softmax weights
-        # the values in fp16 (more mantissa than bf16, and e4m3's 448 is far inside fp16's range). On the
-        # H200, batch 64 / 256: 161 / 612 us, against 201 / 754 us converting e4m3 -> fp32 -> bf16, 243 /
-        # 922 us converting e4m3 -> bf16 directly, and 1.6x slower building the fp16 bits with integer
-        # shifts (2026-12-01)
-        if FP8_KV and FP16_PRODUCTS:
-            kb = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            vb = vb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        elif FP8_KV:  # fp32 queries (the CPU): products in fp32
-            kb = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            vb = vb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if FP8_KV:
+        if FP8_KV:  # each slot's key scale multiplies its logit, its value scale its weight (below)
+            kb, vb = _from_fp8(kb, FP16_PRODUCTS), _from_fp8(vb, FP16_PRODUCTS)
             k_scale = tl.load(ks_ptr + slots * ss_s, mask=in_range, other=0.0)  # [BLOCK_S]
             v_scale = tl.load(vs_ptr + slots * ss_s, mask=in_range, other=0.0)
         s = tl.dot(q_in, tl.trans(kb), input_precision="ieee") * SCALE  # [G_PAD, BLOCK_S] fp32
@@ -201,27 +194,16 @@ def _attend_kernel(
             s *= k_scale[None, :]
         s = tl.where(p[None, :] >= 0, s, float("-inf"))  # empty slots: -inf, also in the stored logits
         if SELECT:  # the logits for the score pass, stored while the block is in registers
-            saved = s
-            if VALUE_NORM:  # alpha * ||v||_1 = exp(s + log ||v||_1 - m) / l: fold the norm into the logit
-                vnorm = tl.load(vnorm_ptr + slots * sn_s, mask=in_range, other=1.0)  # [BLOCK_S]
-                saved += tl.where(vnorm > 0, tl.log(tl.maximum(vnorm, 1e-30)), NEG_BIG)[None, :]  # v = 0: score 0
-            tl.store(logit_ptr + heads[:, None] * S + slots[None, :], saved,
-                     mask=row_ok[:, None] & in_range[None, :])
+            _store_logits(s, logit_ptr, vnorm_ptr, heads, slots, row_ok, in_range, S, sn_s, VALUE_NORM)
             newest = tl.maximum(newest, p)
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # the online softmax
         e = tl.exp(s - m_new[:, None])
         corr = tl.exp(m - m_new)
         l = l * corr + tl.sum(e, axis=1)
         if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the row's largest
-            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V (and
-            # with the row's scales spread over six decades, the tests' widest, the error stays bf16's). On the
-            # H200 (batch 64 / 256 / 383, 2026-12-02): 174 / 630-650 / 966 us; the block's largest scale taken
-            # in the loop 181 / 685 / 1,015-1,042 us; unscaled weights 160 / 608 us, but they are fp16
-            # subnormals for small V and overflow past |v| ~ 3e7
-            weight = e * (v_scale / top)[None, :]
-            acc = acc * corr[:, None] + tl.dot(weight.to(vb.dtype), vb, input_precision="ieee")
-        else:
-            acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
+            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V
+            e = e * (v_scale / top)[None, :]
+        acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
 
     if FP8_KV:
@@ -229,6 +211,15 @@ def _attend_kernel(
     tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
     if SELECT:
         tl.store(newest_ptr + (b * H_KV + kvh) * n_split + split, tl.max(newest, axis=0))
+    _store_attention(acc, m, l, out_ptr, m_ptr, l_ptr, o_ptr, heads, row_ok, dims, split, n_split, D, SPLIT,
+                     SELECT)
+
+
+@triton.jit
+def _store_attention(acc, m, l, out_ptr, m_ptr, l_ptr, o_ptr, heads, row_ok, dims, split, n_split,
+                     D: tl.constexpr, SPLIT: tl.constexpr, SELECT: tl.constexpr):
+    """The normalised output, or this split's partial (max, sum, unnormalised output) for _finish_kernel
+    to merge; the softmax max and sum also when selecting (the score pass normalises with them)."""
     if SPLIT or SELECT:
         tl.store(m_ptr + heads * n_split + split, m, mask=row_ok)
         tl.store(l_ptr + heads * n_split + split, l, mask=row_ok)
@@ -238,6 +229,30 @@ def _attend_kernel(
         out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only when every slot is empty
         tl.store(out_ptr + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
+
+
+@triton.jit
+def _from_fp8(bits, FP16_PRODUCTS: tl.constexpr):
+    """e4m3 bits (uint8) as fp16, to meet 16-bit queries and weights in (e4m3 is exact in fp16, one hardware
+    conversion, more mantissa than bf16: docs/performance.md, "An FP8 KV cache"), or as fp32 (the CPU's
+    fp32 queries)."""
+    x = bits.to(tl.float8e4nv, bitcast=True)
+    if FP16_PRODUCTS:
+        out = x.to(tl.float16)
+    else:
+        out = x.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _store_logits(s, logit_ptr, vnorm_ptr, heads, slots, row_ok, in_range, S, sn_s, VALUE_NORM: tl.constexpr):
+    """A block's logits s [G_PAD, BLOCK_S] into logits [B, H_q, S] for the score pass; with VALUE_NORM,
+    log ||v||_1 folded in: alpha * ||v||_1 = exp(s + log ||v||_1 - m) / l (a zero value scores 0)."""
+    saved = s
+    if VALUE_NORM:
+        vnorm = tl.load(vnorm_ptr + slots * sn_s, mask=in_range, other=1.0)  # [BLOCK_S]
+        saved += tl.where(vnorm > 0, tl.log(tl.maximum(vnorm, 1e-30)), NEG_BIG)[None, :]
+    tl.store(logit_ptr + heads[:, None] * S + slots[None, :], saved, mask=row_ok[:, None] & in_range[None, :])
 
 
 @triton.jit
@@ -379,10 +394,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     # functionalises like any mutated input; None simply means nothing is mutated.
     # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
     # selection, one torch op to unpack the slots (under torch.compile it fuses into whatever reads evict).
-    # Bytes at batch 64 (bf16, H_q 32, H_kv 8, D 128, S 3200, so no split), for checking GPU timings:
-    #   attend: K and V 839 MB + pos 6.6 MB + q and out 1 MB, + with selection the logits 26.2 MB written;
-    #   finish: the logits 26.2 MB read (+ pos 6.6 MB with sink/window, + acc 6.6 MB read and 6.6 written).
-    #   Selection adds 52 MB (+6%, ~12 us at 4.3 TB/s) to attention alone; at batch 256, 210 MB (~50 us).
+    # the bytes each launch moves, for checking GPU timings: docs/performance.md, "Kernel launch settings"
     B, H_q, D = q.shape
     _, H_kv, S, _ = k.shape
     G = H_q // H_kv

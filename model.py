@@ -226,7 +226,8 @@ def prefill_attention(q, k, v):
 def in_order(positions) -> bool:
     """Each row of positions [B, T] is 0, 1, 2, ..., then only padding (-1). One host sync (prefill only)."""
     ramp = torch.arange(positions.shape[1], device=positions.device)
-    return bool(((positions == ramp) | (positions < 0)).all() and (positions[:, 1:] < 0).ge(positions[:, :-1] < 0).all())
+    padding_after_tokens = (positions[:, 1:] < 0).ge(positions[:, :-1] < 0)
+    return bool(((positions == ramp) | (positions < 0)).all() and padding_after_tokens.all())
 
 
 class Attention(nn.Module):
