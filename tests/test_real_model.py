@@ -25,6 +25,13 @@ def llm(smollm2):
     return tinyflow.LLM(str(smollm2), device="cpu", compile=False)
 
 
+@pytest.fixture(scope="module")
+def full(llm):
+    """The text scored with the full cache (every test below compares with it: scored once)."""
+    llm.set_policy(None)
+    return llm.score([PROMPT], [TEXT])[0]
+
+
 def test_logits_and_greedy_generation_equal_transformers(llm, hf):
     ids = llm.tokenizer.encode(PROMPT + TEXT)
     with torch.no_grad():
@@ -40,22 +47,21 @@ def test_logits_and_greedy_generation_equal_transformers(llm, hf):
     assert ours == reference[0, len(prompt):].tolist()
 
 
-def test_full_cache_scores_are_transformers_log_softmax(llm, hf):
+def test_full_cache_scores_are_transformers_log_softmax(llm, hf, full):
     prompt, cont = llm.tokenizer.encode(PROMPT), llm.tokenizer.encode(TEXT)
     with torch.no_grad():
         logp = hf(torch.tensor([prompt + cont])).logits[0].log_softmax(-1)[len(prompt) - 1:-1]
-    score = llm.score([prompt], [cont])[0]
+    score = full
+    assert score.token_ids == cont
     torch.testing.assert_close(torch.tensor(score.logprobs), logp.gather(1, torch.tensor(cont)[:, None])[:, 0],
                                atol=1e-4, rtol=0)
     assert score.argmax == logp.argmax(-1).tolist()
 
 
-def test_a_budget_that_holds_everything_scores_exactly_as_the_full_cache(llm):
-    llm.set_policy(None)
-    full = llm.score([PROMPT], [TEXT])
+def test_a_budget_that_holds_everything_scores_exactly_as_the_full_cache(llm, full):
     for policy in ("longflow", "h2o"):
         llm.set_policy(128, policy)
-        assert llm.score([PROMPT], [TEXT]) == full, policy
+        assert llm.score([PROMPT], [TEXT]) == [full], policy
     llm.set_policy(None)
 
 
@@ -81,31 +87,33 @@ def test_chat_template_renders_the_ids_transformers_renders(llm, smollm2):
 
 
 def test_fidelity_on_the_real_model_ranks_longflow_above_random_eviction(smollm2, tmp_path):
-    """eval.py fidelity end to end on real weights, both kinds of text: a budget that holds everything
-    measures exactly no difference, and on a trained model LongFlow stays closer to the full cache than
-    evicting at random does (random eviction drops the attention sinks)."""
+    """eval.py fidelity end to end on real weights, both kinds of text: on a trained model LongFlow stays
+    closer to the full cache than evicting at random does (random eviction drops the attention sinks). (That a
+    budget holding everything measures exactly no difference is checked through eval.py fidelity on the tiny
+    model, test_fidelity.py, and on these weights score by score above; here it would cost a lock-step pass
+    more, the full cache scored again beside it.)"""
     import json
 
     import eval as ev
     out = tmp_path / "fid"
-    ev.main(["fidelity", "--model", str(smollm2), "--runs", "longflow:40", "random:40", "longflow:200",
+    ev.main(["fidelity", "--model", str(smollm2), "--runs", "longflow:40", "random:40",
              "--rust-texts", "1", "--self-texts", "1", "--prompt-tokens", "32", "--tokens", "64",
              "--measure-last", "32", "--free-tokens", "16", "--out", str(out), "--device", "cpu", "--no-compile"])
     # measured (2026-12-02): NLL increase 0.020 for longflow:40 against 1.22 for random:40, KL 0.083 against 1.01
     run = lambda name: json.loads((out / f"fidelity_{name}.json").read_text())
-    assert run("longflow_200")["texts"] == ["rust/ch04-01-what-is-ownership", "self/math-0"]
-    assert (run("longflow_200")["nll_increase"], run("longflow_200")["kl"], run("longflow_200")["top1"]) == (0, 0, 1)
+    assert run("longflow_40")["texts"] == ["rust/ch04-01-what-is-ownership", "self/math-0"]
     assert 0 < run("longflow_40")["nll_increase"] < run("random_40")["nll_increase"]
     assert run("longflow_40")["kl"] < run("random_40")["kl"]
     assert (out / "fidelity.md").exists() and (out / "self_texts.jsonl").exists()
 
 
-def test_an_fp8_cache_scores_the_text_close_to_the_full_precision_cache(smollm2, llm):
+def test_an_fp8_cache_scores_the_text_close_to_the_full_precision_cache(smollm2, full):
     """Teacher-forced on the real model, every token kept. Measured 2026-12-01: the FP8 cache changes the mean
     log-likelihood of the text's 57 tokens by -0.036 nats (slightly better, by chance) and agrees on the most
-    likely next token at 56 of them. The bounds leave room for other CPUs' rounding."""
+    likely next token at 56 of them. The bound, 0.05 nats, is that measurement with 0.014 to spare for other
+    CPUs' rounding (the same float32 math in another order moves log-probabilities by ~1e-4, far less)."""
     fp8 = tinyflow.LLM(str(smollm2), device="cpu", compile=False, kv_dtype="fp8")
-    want, got = llm.score([PROMPT], [TEXT])[0], fp8.score([PROMPT], [TEXT])[0]
+    want, got = full, fp8.score([PROMPT], [TEXT])[0]
     nll_change = (sum(want.logprobs) - sum(got.logprobs)) / len(want.logprobs)
     agree = sum(a == b for a, b in zip(want.argmax, got.argmax)) / len(want.argmax)
-    assert abs(nll_change) < 0.1 and agree >= 0.95 and "in fp8" in fp8.stats.line()
+    assert abs(nll_change) < 0.05 and agree >= 0.95 and "in fp8" in fp8.stats.line()
