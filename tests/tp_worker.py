@@ -1,6 +1,7 @@
 """One rank of a tensor-parallel run on CPU processes (gloo), started by tests/test_parallel.py through
-torchrun: `python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py CHECKPOINT OUT`. Each rank
-writes what the test compares with one process (OUT.RANK, a torch.save file): the bytes it read from the
+torchrun: `python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py OUT CHECKPOINT...` (every
+checkpoint in one run: torchrun, torch and the process group start once). For checkpoint I, each rank writes
+what the test compares with one process (OUT.I.RANK, a torch.save file): the bytes it read from the
 safetensors files and the bytes of its parameters, the teacher-forced log-probabilities of the full cache,
 and for every policy the greedy tokens and the positions its cache holds at the end."""
 import os
@@ -80,15 +81,16 @@ class CountedSlice:
         return t
 
 
-def main(checkpoint: str, out: str):
-    read = []
-    opener = model_module.safe_open
-    model_module.safe_open = lambda *a, **k: Counted(opener(*a, **k), read)
-    llm = tinyflow.LLM(checkpoint, device="cpu", compile=False)
-    model_module.safe_open = opener
-    result = dict(read=sum(read), params=sum(p.nbytes for p in llm.model.parameters()),
-                  kv_heads=llm.model.cfg.n_kv_heads, **full_cache(llm), runs=runs(llm))
-    torch.save(result, f"{out}.{parallel.rank()}")
+def main(out: str, *checkpoints: str):
+    for i, checkpoint in enumerate(checkpoints):
+        read = []
+        opener = model_module.safe_open
+        model_module.safe_open = lambda *a, **k: Counted(opener(*a, **k), read)
+        llm = tinyflow.LLM(checkpoint, device="cpu", compile=False)
+        model_module.safe_open = opener
+        result = dict(read=sum(read), params=sum(p.nbytes for p in llm.model.parameters()),
+                      kv_heads=llm.model.cfg.n_kv_heads, **full_cache(llm), runs=runs(llm))
+        torch.save(result, f"{out}.{i}.{parallel.rank()}")
     parallel.stop()
 
 
