@@ -166,3 +166,46 @@ def test_compiled_scoring_step_matches_eager_and_never_recompiles(checkpoints, d
     for got, want in zip(first + again, eager + eager_others):
         assert got.token_ids == want.token_ids and got.argmax == want.argmax
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+
+
+def streaming_by_transformers(folder, prompt: list[int], continuation: list[int], budget: int, sinks: int = 4):
+    """Teacher-forced log p under StreamingLLM, from transformers with its cache cut by hand: the prompt read
+    whole, then each continuation token attending to the first `sinks` positions and the most recent ones, itself
+    included, `budget` in all (the K/V of every token as it was computed when read, with the attention it had
+    then)."""
+    from transformers import DynamicCache
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        logprobs = [out.logits[0, -1].log_softmax(-1)[continuation[0]].item()]
+        cache, held = out.past_key_values, list(range(len(prompt)))  # the positions the cache holds
+        for i, token in enumerate(continuation[:-1]):
+            now = len(prompt) + i
+            keep = [j for j, p in enumerate(held) if p < sinks or p > now - (budget - sinks)]
+            cut = DynamicCache()
+            for layer, kv in enumerate(cache.layers):
+                cut.update(kv.keys[:, :, keep], kv.values[:, :, keep], layer)
+            held = [held[j] for j in keep] + [now]
+            out = hf(torch.tensor([[token]]), position_ids=torch.tensor([[now]]), past_key_values=cut,
+                     cache_position=torch.tensor([len(keep)]), use_cache=True)
+            cache = out.past_key_values
+            logprobs.append(out.logits[0, -1].log_softmax(-1)[continuation[i + 1]].item())
+    return logprobs
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_streaming_scores_equal_transformers_with_its_cache_cut_to_sinks_and_recent_tokens(checkpoints, arch):
+    """The streaming policy's choice, prompt compression included, against an independent reference: a prompt
+    longer than the budget, compressed by StreamingLLM's own rule, then a continuation evicting the oldest
+    token but the 4 sinks at every step. Any other choice of tokens changes the log-probabilities."""
+    llm = tinyflow.LLM(str(checkpoints[arch]), budget=40, policy="streaming", prompt_compression="streaming",
+                       device="cpu", compile=False)
+    prompt = llm.tokenizer.encode(" ".join(c for _, c in TEXTS))
+    cont = llm.tokenizer.encode(TEXTS[0][1] * 3)
+    assert len(prompt) > 40 and len(cont) > 40  # the prompt is compressed; the continuation evicts all of it but the sinks
+    got = llm.score([prompt], [cont])[0]
+    expected = streaming_by_transformers(checkpoints[arch], prompt, cont, budget=40)
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+    # a different cut (the sinks taken from the recent window) would be told apart
+    other = streaming_by_transformers(checkpoints[arch], prompt, cont, budget=40, sinks=0)
+    assert (torch.tensor(other) - torch.tensor(expected)).abs().max() > 1e-2
