@@ -427,12 +427,15 @@ def test_no_part_of_a_stop_string_is_ever_given_out(tok):
         assert given == before and out.finish == "stop" and out.text["content"] == before
 
 
-def test_the_load_generator_reports_every_request_completed(server, tmp_path):
+def test_the_load_generator_reports_every_request_completed(server, tmp_path, monkeypatch, capsys):
+    import bench  # bench.py serve, run in this process (bench.main reads sys.argv)
     out = tmp_path / "serve.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench.py"), "serve", "--url", server.url, "--requests", "12",
-                          "--rate", "50", "--prompt-len", "8", "--new-tokens", "20", "--vocab", "300", "--json",
-                          str(out)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    monkeypatch.setattr(sys, "argv", ["bench.py", "serve", "--url", server.url, "--requests", "12", "--rate", "50",
+                                      "--prompt-len", "8", "--new-tokens", "20", "--vocab", "300", "--json", str(out)])
+    try:
+        bench.main()
+    except SystemExit as e:
+        assert e.code == 0, capsys.readouterr().err
     row = json.loads(out.read_text())["rows"][0]
     assert (row["requests"], row["completed"], row["new_tokens"]) == (12, 12, 20) and row["tokens_per_s"] > 0
     assert row["ttft_ms_p50_p99"] and row["tpot_ms_p50_p99"]
