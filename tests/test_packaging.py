@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def python(code: str, cwd=ROOT, **env):
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=1200,
                           env=dict(os.environ, PYTHONPATH=ROOT, **env))
 
 
@@ -21,7 +21,7 @@ def test_the_wheel_holds_every_module_the_datasets_and_the_commands(tmp_path):
     source = tmp_path / "source"  # a copy: building writes build/ and egg-info beside the sources
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".models", "build", "*.egg-info", "runs"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
+                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=1200)
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("tinyflow-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
