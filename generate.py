@@ -434,7 +434,8 @@ class Requests:
         return before
 
     def settle(self, p) -> bool:
-        """After request p's output grew: whether it is done (ended or stopped), then handed over."""
+        """After request p's output grew: done (ended or stopped), it is released and this says True;
+        still running, its progress is told."""
         if self.ended(p) or self.stopped(p):
             self.release(p)
             return True
