@@ -240,7 +240,9 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
     with pytest.raises(ValueError, match="no prompts given"):
         llm.generate([])
     # numpy integers are integers everywhere, and a message's content is the template's to read
-    assert llm.generate(["Hi"], max_new_tokens=np.int64(3), seed=np.int64(5)) == llm.generate(["Hi"], 3, seed=5)
+    numpy_ints = llm.generate(["Hi"], max_new_tokens=np.int64(3), seed=np.int64(5), temperature=1.0, ignore_eos=True)
+    assert numpy_ints == llm.generate(["Hi"], 3, seed=5, temperature=1.0, ignore_eos=True)
+    assert numpy_ints != llm.generate(["Hi"], 3, seed=6, temperature=1.0, ignore_eos=True)  # the seed was used
     # not refused: the conversation as the template renders it (how it renders None: test_model.py)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
     assert llm.chat(messages, max_new_tokens=2) == llm.generate([llm.tokenizer.chat(messages)], max_new_tokens=2)
