@@ -4,13 +4,16 @@ A new policy gets these tests by registering in policies.POLICIES and adding its
   - the slot it evicts is the argmin of the score it declares (empty slots first, protected ones never);
   - what it keeps beside the slots matches a recomputation from scratch (running sums, the query ring) or,
     for what accumulates, the sum of its formula over the steps each token was held;
-  - its score is the formula of its paper, written out here apart from policies.py;
+  - its score is the formula of its paper, written out here apart from policies.py, and it decides (per
+    KV head or per layer) and protects (sinks, recent window) as its paper does;
   - with prompt compression "decode" it keeps the top of its own score over the prompt;
   - the memory planner counts exactly the tensors it keeps.
 The cache is driven directly (one layer, no model), on the CPU through the kernel's PyTorch reference.
 """
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -25,9 +28,18 @@ EVICTING = [name for name, p in POLICIES.items() if p.evicts]
 
 
 # ---- the papers' formulas, written out apart from policies.py ------------------------------------------
-# Each takes the layer's keys and values [B, H_kv, S, D], positions [B, H_kv, S], this step's queries
-# [B, H_q, D], the newest position [B], the last 8 queries [B, H_q, 8, D] and the layer, and returns the
-# score of every slot (lowest goes): [B, H_kv, S] per KV head, [B, 1, S] for one score of the layer.
+@dataclass
+class Spec:
+    """A policy as its paper defines it. score(k, v, pos, q, now, recent, layer) takes the layer's keys and
+    values [B, H_kv, S, D], positions [B, H_kv, S] (-1: empty), this step's queries [B, H_q, D], the newest
+    position [B], the last 8 queries [B, H_q, 8, D] and the layer, and returns the score of every slot
+    (lowest goes): [B, H_kv, S], or [B, 1, S] for one score of the layer. The protections are at S slots."""
+    score: Callable
+    per_head: bool = False  # one decision per KV head, else one per layer
+    n_sink: int = 0
+    window: int = 0
+
+
 def alpha(q, k, pos):
     """The current query's softmax weights over the held slots: [B, H_kv, group, S]."""
     logits = torch.einsum("bhgd,bhsd->bhgs", q.view(B, H_KV, -1, D), k) / math.sqrt(D)
@@ -57,23 +69,26 @@ def rkv_formula(k, v, pos, q, now, recent, layer):
 
 SPECS = {
     # LongFlow: mean over every query head of alpha_i * ||v_i||_1, one decision per layer
-    "longflow": lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None],
-    "longflow-head": lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2),
+    "longflow": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None]),
+    "longflow-head": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2), per_head=True),
     # TOVA: mean over every query head of alpha_i
-    "tova": lambda k, v, pos, q, *_: alpha(q, k, pos).mean((1, 2))[:, None],
-    # H2O and VATP accumulate this step's score over every step a token is held (ACCUMULATING)
-    "h2o": lambda k, v, pos, q, *_: alpha(q, k, pos).mean(2),
-    "vatp": lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2),
-    # StreamingLLM: the oldest goes
-    "streaming": lambda k, v, pos, *_: pos.float(),
+    "tova": Spec(lambda k, v, pos, q, *_: alpha(q, k, pos).mean((1, 2))[:, None]),
+    # H2O and VATP accumulate this step's score over every step a token is held (ACCUMULATING); H2O keeps
+    # half the budget recent, VATP 20 sinks and half of the rest recent
+    "h2o": Spec(lambda k, v, pos, q, *_: alpha(q, k, pos).mean(2), per_head=True, window=S // 2),
+    "vatp": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2), per_head=True, n_sink=20,
+                 window=(S - 20) // 2),
+    # StreamingLLM: 4 sinks, then the oldest goes
+    "streaming": Spec(lambda k, v, pos, *_: pos.float(), n_sink=4),
     # KeyDiff: the key most cosine-similar to the mean of the held keys' unit vectors goes
-    "keydiff": lambda k, v, pos, *_: -F.cosine_similarity(
-        k, (F.normalize(k, dim=-1) * (pos >= 0)[..., None]).sum(2, keepdim=True), dim=-1),
-    "rkv": rkv_formula,
+    "keydiff": Spec(lambda k, v, pos, *_: -F.cosine_similarity(
+        k, (F.normalize(k, dim=-1) * (pos >= 0)[..., None]).sum(2, keepdim=True), dim=-1), per_head=True),
+    "rkv": Spec(rkv_formula, per_head=True, window=8),
     # random: its definition is the hash of (position, layer, KV head, step)
-    "random": lambda k, v, pos, q, now, recent, layer: random_score(pos, layer.index, layer.heads, now),
+    "random": Spec(lambda k, v, pos, q, now, recent, layer: random_score(pos, layer.index, layer.heads, now),
+                   per_head=True),
     # Knorm: the largest key norm goes
-    "knorm": lambda k, v, pos, *_: -k.norm(dim=-1),
+    "knorm": Spec(lambda k, v, pos, *_: -k.norm(dim=-1), per_head=True),
 }
 ACCUMULATING = {"h2o", "vatp"}
 
@@ -109,7 +124,7 @@ def run(name, steps=12, seed=0):
         recent = torch.stack(queries[-8:], 2)
         if name in ACCUMULATING:
             acc.scatter_(2, slot[..., None], 0.0)  # the new token starts from nothing
-            acc += SPECS[name](c.k, c.v, c.pos, qt, None, recent, c)
+            acc += SPECS[name].score(c.k, c.v, c.pos, qt, None, recent, c)
         yield cache, c, qt, t, recent, acc
 
 
@@ -134,6 +149,12 @@ def test_every_registered_policy_has_its_formula_here():
 
 
 @pytest.mark.parametrize("name", EVICTING)
+def test_each_policy_decides_and_protects_as_its_paper_says(name):
+    p, spec = resolve_policy(name, S), SPECS[name]
+    assert (p.per_head, p.n_sink, p.window) == (spec.per_head, spec.n_sink, spec.window)
+
+
+@pytest.mark.parametrize("name", EVICTING)
 def test_each_evicted_slot_is_the_argmin_of_the_declared_score(name):
     p = POLICIES[name]
     for cache, c, q, t, *_ in run(name):
@@ -148,7 +169,7 @@ def test_the_declared_score_is_the_papers_formula(name):
     for cache, c, q, t, recent, acc in run(name):
         now = torch.full((B,), t)
         got = p.score(cache.with_values(c), q, now)
-        want = acc if name in ACCUMULATING else SPECS[name](c.k, c.v, c.pos, q, now, recent, c)
+        want = acc if name in ACCUMULATING else SPECS[name].score(c.k, c.v, c.pos, q, now, recent, c)
         ranked = ((c.pos >= 0) & ~protected(c.pos, cache.policy))[:, :got.shape[1]]  # what the argmin compares
         torch.testing.assert_close(got.expand_as(want)[ranked], want.expand_as(got)[ranked], rtol=1e-5, atol=1e-6,
                                    msg=f"{name} at position {t}")
