@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 
 def check_own_modules():
-    """tinyflow's files are top-level modules (model, cache, policies, kernel, generate, parallel): a file of the same name
-    earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
+    """tinyflow's files are top-level modules (model, cache, policies, kernel, generate, cli, parallel): a file
+    of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "kernel", "model", "generate", "parallel", "policies"):
+    for name in ("cache", "policies", "kernel", "model", "generate", "cli", "parallel"):
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec else None
         if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
