@@ -44,7 +44,7 @@ from torch._dynamo.utils import counters
 
 import kernel
 from cache import KV_DTYPES, KVCache
-from policies import POLICIES, resolve_policy
+from policies import POLICIES, RecentQueries, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
 from cli import Parser, non_negative_int, positive_int, run_command
@@ -285,7 +285,7 @@ class StepTimer:
 
 def fill_cache(cache: KVCache, filled: int):
     """Random K/V in the first `filled` slots of every layer and sequence, positions 0..filled-1, and what
-    the policy keeps recomputed from them (random values for what is history: accumulated scores, queries)."""
+    the policy keeps recomputed from them (for what is history: no accumulated score yet, random queries)."""
     for layer in cache.layers:
         if cache.fp8:  # random e4m3 bits below 0x7F (NaN), so finite values in [0, 448], scaled to [0, 1]
             layer.k.random_(0, 0x7F)
@@ -298,10 +298,11 @@ def fill_cache(cache: KVCache, filled: int):
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
         layer.next_slot.fill_(min(filled, cache.slots - 1))
+        held = cache.with_values(layer)  # a layer at a time (an FP8 cache's dequantized)
         for name, kept in cache.policy.keeps.items():
-            value = kept.recompute(cache.with_values(layer))  # a layer at a time
-            if value is None:
-                layer.kept[name].normal_()
+            value = kept.recompute(held)
+            if value is None:  # history: nothing accumulated yet (as a new token starts), random queries
+                layer.kept[name].normal_() if isinstance(kept, RecentQueries) else layer.kept[name].zero_()
             else:
                 layer.kept[name].copy_(value)
 

@@ -340,7 +340,7 @@ def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
     """Transient memory of prefilling `tokens` (padded) prompt tokens: activations, one layer's K/V expanded
     to every query head, the SnapKV window's attention (fp32), the MLP of one chunk of tokens, and the
-    fp32 scores of H2O / VATP's column sums (cache.attention_column_sums, within its budget)."""
+    fp32 scores of H2O / VATP's column sums (policies.attention_column_sums, within its budget)."""
     per_token = 4 * cfg.hidden_size + 6 * cfg.n_heads * cfg.head_dim
     mlp = min(tokens, MLP_TOKENS) * 3 * cfg.intermediate_size * dtype.itemsize
     return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads) + mlp + 2**28
@@ -529,7 +529,7 @@ class Engine:
         Sampling for all prompts or one per prompt (rows with different settings share the batch).
         batch_size: rows decoded together (default: all prompts, or as many as fit).
         on_tokens(new_ids) streams the first prompt's output; on_done(index, new_ids) is called as each
-        prompt finishes. prompt_rule: how prompts longer than the budget are compressed (cache.PROMPT_RULES)."""
+        prompt finishes. prompt_rule: how prompts longer than the budget are compressed (policies.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
         sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(sampling) != len(prompts) or not all(isinstance(s, Sampling) for s in sampling):

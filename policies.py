@@ -185,7 +185,9 @@ class Policy:
     same_in_every_head: ClassVar[bool] = False  # its score: per layer, no mean over the heads is needed
 
     def score(self, c, q, now):
-        """The eviction score of every slot of layer c (keys as values, see KVCache.key_values), lowest goes.
+        """The eviction score of every slot of layer c, lowest goes. Its keys are values (KVCache.with_key_values;
+        an FP8 cache dequantizes them), its values are not: with an FP8 cache c.v holds e4m3 bits, so a score
+        that reads values keeps what it needs of them (a PerSlot, computed from each value as written).
         q: [B, H_q, D] this step's queries; now: [B] the newest position of each row. Returns [B, H_kv, S]
         or, one score for the whole layer, [B, 1, S]."""
         raise NotImplementedError

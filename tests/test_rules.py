@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cache import KVCache
-from policies import POLICIES, RecentQueries, random_score, resolve_policy
+from policies import POLICIES, RecentQueries, hash32, resolve_policy
 
 B, H_Q, H_KV, D, S = 2, 4, 2, 8, 64  # S: every policy's smallest budget fits (vatp: 20 sinks + 32 + 1)
 CFG = SimpleNamespace(n_layers=1, n_heads=H_Q, n_kv_heads=H_KV, head_dim=D)
@@ -84,9 +84,10 @@ SPECS = {
     "keydiff": Spec(lambda k, v, pos, *_: -F.cosine_similarity(
         k, (F.normalize(k, dim=-1) * (pos >= 0)[..., None]).sum(2, keepdim=True), dim=-1), per_head=True),
     "rkv": Spec(rkv_formula, per_head=True, window=8),
-    # random: its definition is the hash of (position, layer, KV head, step)
-    "random": Spec(lambda k, v, pos, q, now, recent, layer: random_score(pos, layer.index, layer.heads, now),
-                   per_head=True),
+    # random: a hash of (position, layer, KV head) and of the step, so every step draws afresh
+    "random": Spec(lambda k, v, pos, q, now, recent, layer: (hash32(
+        hash32(pos.long() * 0x9E3779B1 + layer.index * 0x85EBCA77 + layer.heads[:, None])
+        + now.long()[:, None, None] * 0xC2B2AE3D) >> 8).float(), per_head=True),
     # Knorm: the largest key norm goes
     "knorm": Spec(lambda k, v, pos, *_: -k.norm(dim=-1), per_head=True),
 }
@@ -156,8 +157,8 @@ def test_each_policy_decides_and_protects_as_its_paper_says(name):
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_each_evicted_slot_is_the_argmin_of_the_declared_score(name):
-    p = POLICIES[name]
     for cache, c, q, t, *_ in run(name):
+        p = cache.policy
         score = p.score(cache.with_values(c), q, torch.full((B,), t))
         assert torch.equal(c.next_slot, expected_slot(score, c.pos, cache.policy)), f"step at position {t}"
 
@@ -165,8 +166,8 @@ def test_each_evicted_slot_is_the_argmin_of_the_declared_score(name):
 @pytest.mark.parametrize("name", EVICTING)
 def test_the_declared_score_is_the_papers_formula(name):
     """fp32 on both sides, summed in other orders: equal to rounding."""
-    p = POLICIES[name]
     for cache, c, q, t, recent, acc in run(name):
+        p = cache.policy
         now = torch.full((B,), t)
         got = p.score(cache.with_values(c), q, now)
         want = acc if name in ACCUMULATING else SPECS[name].score(c.k, c.v, c.pos, q, now, recent, c)
@@ -177,10 +178,9 @@ def test_the_declared_score_is_the_papers_formula(name):
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_what_a_policy_keeps_matches_a_recomputation_from_the_slots(name):
-    p = POLICIES[name]
     for cache, c, q, t, recent, acc in run(name):
         held = c.pos >= 0
-        for what, kept in p.keeps.items():
+        for what, kept in cache.policy.keeps.items():
             value, kept_now = kept.recompute(cache.with_values(c)), c.kept[what]
             if isinstance(kept, RecentQueries):  # the last 8 queries, at column position % 8
                 for back in range(8):
@@ -203,6 +203,11 @@ def test_prompt_compression_by_the_policy_keeps_the_top_of_its_prompt_score(name
     positions = torch.arange(T).expand(B, T)
     pos = positions[:, None].expand(B, H_KV, T)
     score = p.prompt_score(c, q, k, v, pos, p.prompt_seed(cache, q, k, v, positions))
+    # its score over the prompt is the paper's, with the last prompt query (H2O, VATP: the prompt's attention)
+    spec = prompt_column_sums(q, k, v, name) if name in ACCUMULATING else \
+        SPECS[name].score(k, v, pos, q[:, :, -1], torch.full((B,), T - 1), q[:, :, -8:], c)
+    ranked = ~protected(pos, p)[:, :score.shape[1]]
+    torch.testing.assert_close(score.expand_as(spec)[ranked], spec.expand_as(score)[ranked], rtol=1e-5, atol=1e-6)
     score = score.expand(B, H_KV, T) if p.per_head else score.mean(1, keepdim=True).expand(B, H_KV, T)
     ranked = score.masked_fill(protected(pos, p), math.inf).sort(dim=-1, descending=True, stable=True).indices
     cache.prefill(c, q, k, v, positions, torch.arange(B))
