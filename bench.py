@@ -859,6 +859,7 @@ def main():
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     p = parser()
     args = p.parse_args()
+    ROWS.clear()  # this run's rows only, when main runs more than once in a process (the tests call it)
     run_command(lambda: check_and_run(args, p), torch.OutOfMemoryError, out_of_memory, lambda: stopped(args))
 
 
