@@ -22,6 +22,7 @@ def bench_in_process(monkeypatch, capsys, *argv):
     """bench.main() in this process (no second import of torch): (exit status, stdout, stderr)."""
     import bench as bench_module
     monkeypatch.setattr(sys, "argv", ["bench.py", *map(str, argv)])
+    monkeypatch.setattr(bench_module, "ROWS", [])  # the rows a process measured: this call's alone, as in a process
     capsys.readouterr()
     try:
         bench_module.main()
