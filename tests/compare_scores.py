@@ -1,6 +1,7 @@
 """Are the teacher-forced log-probabilities of every policy bit-identical to those of another revision?
 
-    python tests/compare_scores.py REV        # e.g. HEAD~3; exit status 1 when any logprob differs
+    python tests/compare_scores.py REV          # e.g. HEAD~3; exit status 1 when any logprob differs
+    python tests/compare_scores.py REV --tiny   # the tiny checkpoints only (minutes instead of an hour)
 
 For a refactoring that must not change numerics: this tree and git revision REV (exported to a temporary
 folder) each score the same prompts and continuations through LLM.score with every policy of POLICIES
@@ -62,12 +63,12 @@ def emit(models: dict[str, str], out: str):
     Path(out).write_text(json.dumps(results))
 
 
-def checkpoints(root: Path) -> dict[str, str]:
+def checkpoints(root: Path, tiny_only: bool) -> dict[str, str]:
     sys.path.insert(0, str(HERE))
     from conftest import write_checkpoint
     root.mkdir()
     models = {arch: str(write_checkpoint(root / arch, arch)) for arch in ("qwen3", "qwen2", "llama")}
-    if (SMOLLM2 / "config.json").exists():
+    if not tiny_only and (SMOLLM2 / "config.json").exists():
         models["smollm2"] = str(SMOLLM2)
     return models
 
@@ -79,14 +80,14 @@ def scores_of(tree: Path, models: dict, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def main(rev: str) -> int:
+def main(rev: str, tiny_only: bool) -> int:
     repo = HERE.parent
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "rev").mkdir()
         archive = subprocess.run(["git", "archive", rev], cwd=repo, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp / "rev")], input=archive, check=True)
-        models = checkpoints(tmp / "ckpt")
+        models = checkpoints(tmp / "ckpt", tiny_only)
         new, old = scores_of(repo, models, tmp / "new.json"), scores_of(tmp / "rev", models, tmp / "old.json")
     assert Path(new.pop("tinyflow")).parent == repo and Path(old.pop("tinyflow")).parent != repo
     differ = [k for k in old if new.get(k) != old[k]]
@@ -103,7 +104,7 @@ def main(rev: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--emit"]:
         emit(json.loads(sys.argv[2]), sys.argv[3])
-    elif len(sys.argv) == 2:
-        sys.exit(main(sys.argv[1]))
+    elif len(sys.argv) in (2, 3) and sys.argv[2:] in ([], ["--tiny"]):
+        sys.exit(main(sys.argv[1], tiny_only=sys.argv[2:] == ["--tiny"]))
     else:
         sys.exit(__doc__)
