@@ -3,7 +3,6 @@ Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's ten
 (`model.layers.3.self_attn.o_proj.weight`), except that q/k/v and gate/up are stored fused (FUSED)."""
 import json
 import math
-import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from cache import KVCache, Layer
+from policies import is_int
 from parallel import SINGLE, Group
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -141,11 +141,6 @@ def check_rope(c: dict):
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings")
-
-
-def is_int(x) -> bool:
-    """An integer (a Python or numpy one), and not a bool (which Python counts as one)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def is_number(x) -> bool:
