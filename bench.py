@@ -46,7 +46,10 @@ import kernel
 from cache import KV_DTYPES, KVCache
 from policies import POLICIES, RecentQueries, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
-from generate import Engine, Sampler, State, Stepper, batch_that_fits, pick_device, sync_time
+from generate import Engine, pick_device, sync_time
+from memory import batch_that_fits
+from sampling import Sampler
+from step import State, Stepper
 from cli import Parser, non_negative_int, positive_int, run_command
 import parallel
 from model import Config, checkpoint_params, empty_model, load

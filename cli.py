@@ -103,7 +103,7 @@ def check_policy_args(args):
 
 def check_sampling_args(args, sampling):
     """--top-k, --top-p and --seed are refused when decoding is greedy (given or the model's default).
-    sampling: the generate.Sampling the run decodes with."""
+    sampling: the sampling.Sampling the run decodes with."""
     given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
              if value is not None]
     if given and sampling.temperature == 0:

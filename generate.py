@@ -1,13 +1,8 @@
-"""Prefill, the compiled decode step, CUDA-graph replay, sampling or teacher forcing, the generation loop,
-and the command line.
+"""The generation loop and the command line: prompts are prefilled into free rows of the cache, the
+decode step (step.py) is replayed, and every `sync_every` steps the host reads what it produced, to stop
+requests at EOS, stream text and give a finished request's row to the next one.
 
     python generate.py --model Qwen/Qwen3-8B --budget 3200 --prompt "How many primes are below 100?"
-
-The decode step (Stepper.step) reads and advances its own state in place (current tokens, positions,
-the output history), so the host only replays it: one layer compiled with torch.compile and used for
-every layer, the sampling compiled, the whole step captured once as a CUDA graph, never synchronised
-with inside the step. The host looks at the output every `sync_every` steps to stop at EOS and to
-stream text.
 """
 import argparse
 import math
@@ -26,331 +21,15 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 import torch
 
 from cache import KV_DTYPES, KVCache
-from policies import POLICIES, Policy, hash32, is_int, resolve_policy
+from policies import POLICIES, Policy, is_int, resolve_policy
 from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args, positive_int,
                  read_prompt, run_command)
 import kernel
 import parallel
-from model import DTYPES, MLP_TOKENS, Transformer, load
-
-# ---- sampling without host syncs ---------------------------------------------------------------------
-def uniform_noise(seeds, positions, vocab: int):
-    """Uniform (0, 1) noise [B, vocab] that depends only on (seed, position, token id): the same prompt
-    and seed give the same sample in any batch, on any device, with no generator state to capture."""
-    # the seed's high 32 bits folded in (hash32(0) = 0: seeds 0 to 2^32 - 1 draw what they always drew)
-    row = hash32((seeds * 0x9E3779B1 + positions) ^ hash32(seeds >> 32))  # [B]
-    x = hash32(row[:, None] * 0x85EBCA77 + torch.arange(vocab, device=seeds.device))  # [B, V]
-    return ((x >> 8).float() + 0.5) / 2**24  # top 24 bits: exact in fp32, never 0 or 1
-
-
-def apply_penalty(logits, seen, penalty):
-    """transformers' repetition_penalty: the logit of every token id already in the prompt or the output is
-    divided by the penalty when positive, multiplied by it when negative. logits: [B, V] fp32; seen: [B, V]
-    bool; penalty: [B] (1: none)."""
-    p = penalty[:, None]
-    return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
-
-
-def sample(logits, seeds, positions, temperature, top_k, top_p):
-    """One token per row from logits [B, V] fp32, each row with its own settings: temperature [B] fp32 (0:
-    greedy, the argmax exactly), top_k [B] int64 (0: no limit), top_p [B] fp32. positions: [B], the
-    positions of the tokens being sampled. Returns [B]. Settings are values, not branches, so one compiled
-    step serves every mix of them (at the price of one sort of the vocabulary per row and step)."""
-    V = logits.shape[-1]
-    hot = temperature > 0
-    scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
-    ordered = scaled.sort(-1, descending=True).values  # [B, V]
-    # top-k: the tokens below the k-th largest logit go (ties with it stay, as in transformers)
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None]  # [B, 1]
-    kept = ordered >= ordered.gather(1, k - 1)  # [B, V], in sorted order
-    # top-p: a token goes once the more likely tokens before it already cover top_p
-    probs = ordered.masked_fill(~kept, float("-inf")).softmax(-1)
-    kept &= (probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1)  # fp32 sums reach 1 early
-    kept[:, 0] = True  # the most likely token always stays (a top_p that rounds to 0 in fp32 would keep none)
-    # both cut the sorted row: what stays is every logit down to the last kept one (ties with it too)
-    lowest = ordered.gather(1, kept.sum(-1, keepdim=True) - 1)  # [B, 1]
-    probs = scaled.masked_fill(scaled < lowest, float("-inf")).softmax(-1)
-    # argmax(p / E) with E ~ Exponential(1) is a draw from p (the exponential-race trick)
-    drawn = (probs / -uniform_noise(seeds, positions, V).log()).argmax(-1)
-    return torch.where(hot, drawn, logits.argmax(-1))
-
-
-# The decode step calls sample() as one opaque operator: its PyTorch kernels run as they are, inside the
-# CUDA graph like the rest of the step, instead of being fused by the compiler, whose code generation
-# (torch 2.11's inductor) fails on this function at batch 64 and above (InductorError in get_block_shape).
-@torch.library.custom_op("tinyflow::sample", mutates_args=())
-def sample_op(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
-              top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    return sample(logits, seeds, positions, temperature, top_k, top_p)
-
-
-@sample_op.register_fake
-def _(logits, seeds, positions, temperature, top_k, top_p):
-    return logits.new_empty(logits.shape[0], dtype=torch.int64)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """One request's sampling settings (the decode step reads them per row from a Sampler)."""
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no limit
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0  # 1: none
-
-    def __post_init__(self):
-        number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-        # below 1e-6, logits / temperature can overflow to inf and the softmax to NaN
-        if not (number(self.temperature) and (self.temperature == 0 or self.temperature >= 1e-6)
-                and number(self.top_p) and 0 < self.top_p <= 1
-                and is_int(self.top_k) and 0 <= self.top_k < 2**63):
-            raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 (below 2^63) "
-                             f"and 0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
-        # fp32 holds it (and its inverse) as a normal number: 1e-300 would be 0 there, and the logits inf
-        if not (number(self.repetition_penalty) and 1e-30 <= self.repetition_penalty <= 1e30):
-            raise ValueError(f"repetition penalty must be a number from 1e-30 to 1e30 (1: none), got "
-                             f"{self.repetition_penalty!r}")
-
-    @classmethod
-    def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None,
-                      repetition_penalty=None) -> "Sampling":
-        """The given settings, and the model's generation_config.json defaults for those left None."""
-        pick = lambda value, name, default: defaults.get(name, default) if value is None else value
-        return cls(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
-                   float(pick(top_p, "top_p", 1.0)), float(pick(repetition_penalty, "repetition_penalty", 1.0)))
-
-
-@dataclass
-class Sampler:
-    """What the decode step samples with, per row, in static device buffers: the settings of the request
-    each row serves and the token ids its penalty remembers. A new setting is a new value in these tensors,
-    never new code, and rows with different settings share one batch."""
-    temperature: torch.Tensor  # [B] fp32, 0 = greedy
-    top_k: torch.Tensor  # [B] int64, 0 = no limit
-    top_p: torch.Tensor  # [B] fp32
-    penalty: torch.Tensor  # [B] fp32, 1 = none
-    seen: torch.Tensor  # [B, V] bool: the ids in the row's prompt and output so far
-
-    @classmethod
-    def empty(cls, batch: int, vocab: int, device):
-        f32 = lambda value: torch.full((batch,), value, dtype=torch.float32, device=device)
-        return cls(f32(0.0), torch.zeros(batch, dtype=torch.int64, device=device), f32(1.0), f32(1.0),
-                   torch.zeros(batch, vocab, dtype=torch.bool, device=device))
-
-    def start(self, rows, settings: list[Sampling], prompts: list[list[int]]):
-        """Rows `rows` [n] start serving these requests: their settings, and their prompts' ids seen."""
-        for name, attr in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
-                           ("penalty", "repetition_penalty")):
-            buffer = getattr(self, name)
-            buffer[rows] = torch.tensor([getattr(s, attr) for s in settings], dtype=buffer.dtype, device=rows.device)
-        self.seen[rows] = False
-        for row, prompt in zip(rows.tolist(), prompts):
-            self.seen[row, torch.tensor(prompt, device=rows.device)] = True
-
-    def pick(self, logits, seeds, positions, rows=None, hot: bool = True):
-        """The next token of rows `rows` (default: all) from their logits [n, V]; marks it seen. hot=False
-        when no row samples: the argmax alone, without sample()'s sort of the vocabulary."""
-        at = slice(None) if rows is None else rows  # the decode step: every row, views rather than copies
-        logits = apply_penalty(logits, self.seen[at], self.penalty[at])
-        nxt = sample_op(logits, seeds, positions, self.temperature[at], self.top_k[at], self.top_p[at]) if hot \
-            else logits.argmax(-1)
-        rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
-        self.seen.index_put_((rows, nxt), torch.ones_like(nxt, dtype=torch.bool))
-        return nxt
-
-    def read(self, cols, tokens: list[list[int]]) -> list[list[int]]:
-        """What each row's output keeps of the steps in ring columns cols: their tokens (Forcing.read: records)."""
-        return tokens
-
-
-# ---- the decode step ---------------------------------------------------------------------------------
-RING = 64  # the output history is a ring of 64 steps; the host reads it every sync_every (< 64) steps
-
-
-@dataclass
-class State:
-    """Everything the decode step reads and advances, in static device buffers (CUDA-graph safe)."""
-    tokens: torch.Tensor  # [B] the last token of each sequence, not yet in the cache
-    positions: torch.Tensor  # [B] its position
-    seeds: torch.Tensor  # [B] the sampling seed of the sequence in each row
-    history: torch.Tensor  # [B, RING] the tokens of the last RING steps
-    count: torch.Tensor  # [1] steps taken
-
-    @classmethod
-    def empty(cls, batch: int, device):
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)
-        return cls(z(batch), z(batch), z(batch), z(batch, RING), z(1))
-
-
-def run_block(block, *args):
-    """One layer of the decode step. Compiled once: every layer has the same shapes, and its weights and
-    cache tensors are arguments, so the compiled code serves all of them (a 36-layer model compiles one
-    layer, not 36)."""
-    return block(*args)
-
-
-def push(state: State, nxt):
-    """Make nxt [B] the current tokens and move the state one step on, in place."""
-    state.history.index_copy_(1, state.count % RING, nxt[:, None])
-    state.tokens.copy_(nxt)
-    state.positions.add_(1)
-    state.count.add_(1)
-
-
-def advance(logits, state: State, sampler: Sampler):
-    """Sample the next token from logits [B, V] and move the state on."""
-    push(state, sampler.pick(logits, state.seeds, state.positions + 1))
-
-
-def advance_greedy(logits, state: State, sampler: Sampler):
-    """advance when no row samples: the argmax (after the penalty), without sorting the vocabulary."""
-    push(state, sampler.pick(logits, state.seeds, state.positions + 1, hot=False))
-
-
-@dataclass
-class Forcing:
-    """Teacher forcing (LLM.score): instead of a sample, each row is fed the next token of a given
-    continuation, and the step records how likely the model found it. Static buffers, like State."""
-    tokens: torch.Tensor  # [B, L] the continuation each row scores (padded with 0)
-    start: torch.Tensor  # [B] the position of its first token (the prompt's length)
-    logprobs: torch.Tensor  # [B, RING] fp32 log p of the continuation's token, per step
-    argmax: torch.Tensor  # [B, RING] the most likely token, per step
-    dists: torch.Tensor  # [B, RING, V] fp32 log-softmax of every step when kept, else a [1, 1, 1] stand-in
-
-    @classmethod
-    def empty(cls, batch: int, length: int, vocab: int, keep_dists: bool, device):
-        z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=device)
-        dists = z(batch, RING, vocab, dtype=torch.float32) if keep_dists else z(1, 1, 1, dtype=torch.float32)
-        return cls(z(batch, length), z(batch), z(batch, RING, dtype=torch.float32), z(batch, RING), dists)
-
-    def read(self, cols, tokens: list[list[int]]) -> list[list[tuple]]:
-        """(token, logprob, argmax) of the steps in ring columns cols, per row; tokens: their history."""
-        return [list(zip(*row)) for row in zip(tokens, self.logprobs[:, cols].tolist(), self.argmax[:, cols].tolist())]
-
-
-def advance_forced(logits, state: State, f: Forcing):
-    """Record log p and the argmax of the continuation's next token under logits [B, V], then feed that
-    token. The token's index in the continuation follows from the row's position: no host copy per step."""
-    logp = logits.log_softmax(-1)  # [B, V]
-    index = (state.positions + 1 - f.start).clamp(0, f.tokens.shape[1] - 1)  # [B] the token being predicted
-    nxt = f.tokens.gather(1, index[:, None])  # [B, 1]
-    col = state.count % RING
-    f.logprobs.index_copy_(1, col, logp.gather(1, nxt))
-    f.argmax.index_copy_(1, col, logits.argmax(-1, keepdim=True))
-    if f.dists.shape[-1] == logp.shape[-1]:  # kept (a shape, so decided when compiling)
-        f.dists.index_copy_(1, col, logp[:, None])
-    push(state, nxt[:, 0])
-
-
-# Up to this batch the compiler also autotunes the layer's kernels (its matrix-vector products above all):
-# faster at batch 1 for more compile time, slower or no faster above (measured: docs/performance.md).
-TUNED_BATCH = 1
-
-
-def autotuned(model, state: State) -> bool:
-    """Whether the compiler autotunes the step: on CUDA, up to TUNED_BATCH rows, and not under tensor parallel
-    (ranks tuned apart could pick kernels that round differently, and sample different tokens from the same
-    logits)."""
-    return state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH and model.tp.size == 1
-
-
-def compiler(enabled: bool, tune: bool):
-    """What the decode step's functions go through: torch.compile (fullgraph, static shapes; tune: autotuned
-    too), or nothing when not enabled."""
-    keep_many_versions()
-    options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
-    return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
-
-
-def keep_many_versions():
-    """Every batch shape and policy compiles its own code (a full cache's shape is the longest prompt +
-    max_new_tokens); dynamo keeps 8 versions of a function by default and, with fullgraph, fails on the ninth.
-    Replays never check the versions, so a long-lived Engine keeps many."""
-    cfg = torch._dynamo.config
-    cfg.cache_size_limit = max(cfg.cache_size_limit, 1024)
-    cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4096)
-
-
-class Stepper:
-    """Runs the decode step: its layers and its sampling compiled (fullgraph, static shapes) and, on CUDA,
-    the whole step captured as one CUDA graph and replayed. Compilation and capture happen here, on the
-    empty cache, which is then emptied again (the warm-up steps wrote junk tokens that are simply marked
-    as empty slots). Generation has two versions of the step, both made here: greedy rows only (the
-    argmax), and some rows sampling (a sort of the vocabulary per row); `hot` says which one runs."""
-
-    def __init__(self, model, cache, state, mode, compile=True):
-        """mode: a Sampler (generate) or a Forcing (score): what decides the next token."""
-        self.model, self.cache, self.state, self.mode = model, cache, state, mode
-        compiled = compiler(compile, tune=autotuned(model, state))
-        self.run_block = compiled(run_block)
-        # two functions, not one with a flag: each compiles once, so neither ever counts as a recompile
-        self.advance = {False: compiled(advance_forced)} if isinstance(mode, Forcing) else \
-            {False: compiled(advance_greedy), True: compiled(advance)}
-        self.graphs, self.hot = {}, False
-        for hot in self.advance:
-            if state.tokens.is_cuda:
-                self._warm_up(hot)
-                self._capture(hot)
-            else:
-                self.step(hot)  # compiles it now, not in the middle of a generation
-        cache.reset()
-
-    def _warm_up(self, hot: bool):
-        """Two steps (compile, autotune, allocate) off the capture stream, as CUDA graph capture needs."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.step(hot)
-        torch.cuda.current_stream().wait_stream(stream)
-
-    def _capture(self, hot: bool):
-        self.graphs[hot] = torch.cuda.CUDAGraph()
-        # one memory pool for both versions: nothing a step allocates outlives it (all it keeps goes
-        # into the static buffers), and only one of them ever runs at a time
-        pool = self.graphs[False].pool() if hot else None
-        with torch.cuda.graph(self.graphs[hot], pool=pool):
-            self.step(hot)
-
-    def step(self, hot: bool = False):
-        st = self.state
-        logits = self.model(st.tokens[:, None], st.positions[:, None], self.cache, run_block=self.run_block)
-        self.advance[hot](logits[:, 0], st, self.mode)  # logits: [B, 1, V]
-
-    def __call__(self):
-        if self.graphs:
-            self.graphs[self.hot].replay()
-        else:
-            self.step(self.hot)
-
-
-# ---- memory: what fits ----------------------------------------------------------------------------------
-PREFILL_TOKENS = 16384  # prompts are prefilled in groups of about this many (padded) tokens
-SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fragmentation
-
-
-def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
-    """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
-    decode step's logits, probabilities, noise and sort buffers (fp32/int64 over the vocabulary: 40 bytes
-    per id), the ids its repetition penalty has seen (1 byte per id), and `extra` bytes. With FP8, also one
-    layer's keys as values, which the rules that read keys (keydiff, rkv, knorm) dequantize each step."""
-    keys = slots * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize if kv_dtype == kernel.FP8 else 0
-    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + keys + 41 * cfg.vocab_size + extra
-
-
-def prefill_bytes(cfg, tokens: int, dtype) -> int:
-    """Transient memory of prefilling `tokens` (padded) prompt tokens: activations, one layer's K/V expanded
-    to every query head, the SnapKV window's attention (fp32), the MLP of one chunk of tokens, and the
-    fp32 scores of H2O / VATP's column sums (policies.attention_column_sums, within its budget)."""
-    per_token = 4 * cfg.hidden_size + 6 * cfg.n_heads * cfg.head_dim
-    mlp = min(tokens, MLP_TOKENS) * 3 * cfg.intermediate_size * dtype.itemsize
-    return tokens * (per_token * dtype.itemsize + 4 * 32 * cfg.n_heads) + mlp + 2**28
-
-
-def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extra: int = 0, kv_dtype=None) -> int:
-    """The most sequences whose cache and decode buffers fit in `free` bytes, after prefill's needs."""
-    fixed = prefill_bytes(cfg, max(PREFILL_TOKENS, longest_prompt), dtype) + SPARE
-    return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype, extra, kv_dtype))
-
+from memory import PREFILL_TOKENS, batch_that_fits, free_bytes, pick_batch
+from model import DTYPES, Transformer, load
+from sampling import Sampler, Sampling, seeds_for, settings_for
+from step import RING, Forcing, State, Stepper
 
 # ---- the generation loop ------------------------------------------------------------------------------
 @dataclass
@@ -531,18 +210,8 @@ class Engine:
         on_tokens(new_ids) streams the first prompt's output; on_done(index, new_ids) is called as each
         prompt finishes. prompt_rule: how prompts longer than the budget are compressed (policies.PROMPT_RULES)."""
         check_request(prompts, max_new_tokens, self.model.cfg.vocab_size)
-        sampling = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        if len(sampling) != len(prompts) or not all(isinstance(s, Sampling) for s in sampling):
-            raise ValueError(f"sampling must be one Sampling or one per prompt ({len(prompts)})")
-        if not isinstance(seed, (list, tuple)):  # one seed per prompt: its samples do not depend on its row
-            seed = self.model.tp.same(random.randrange(2**31)) if seed is None else seed  # every rank's
-            seed = [int(seed) + i for i in range(len(prompts))] if is_int(seed) else [seed]
-        if len(seed) != len(prompts) or not all(map(is_int, seed)):
-            raise ValueError(f"seed must be one int or one int per prompt ({len(prompts)}); got {seed!r}")
-        seed = [int(s) for s in seed]
-        if not all(-2**63 <= s < 2**63 for s in seed):  # the decode step keeps them in an int64 tensor
-            raise ValueError(f"seeds must fit in 64 bits (-2**63 <= seed < 2**63; with one seed, prompt i gets "
-                             f"seed + i); got {max(seed, key=abs)}")
+        sampling = settings_for(len(prompts), sampling)
+        seed = seeds_for(len(prompts), seed, draw=lambda: self.model.tp.same(random.randrange(2**31)))
         requests = Requests(prompts, [max_new_tokens] * len(prompts), [set(eos_ids)] * len(prompts), seed, sampling,
                             on_done=on_done)
         return drain(self._serve(requests, budget, policy, prompt_rule, "sample", batch_size, on_tokens))
@@ -592,7 +261,7 @@ class Engine:
         if budget is None:  # no compression: room for every token
             budget = longest + max(limits)
         dists = 4 * RING * self.model.cfg.vocab_size if requests.on_dists else 0  # bytes per row of Forcing.dists
-        batch = self._batch_size(batch_size, len(prompts), budget, longest, dists)
+        batch = pick_batch(self, batch_size, len(prompts), budget, longest, dists)
         t0 = sync_time(self.device)
         self._prepare(batch, budget, policy, prompt_rule, mode)
         t1 = sync_time(self.device)
@@ -625,40 +294,6 @@ class Engine:
                              f"{len(prompts[i]) + limits[i]} positions, past the model's max_position_embeddings "
                              f"{limit} (RoPE beyond its trained context gives garbage); shorten them, or allow it "
                              f"explicitly (--allow-long-context, LLM(allow_long_context=True))")
-
-    def free_bytes(self) -> int:
-        """Free GPU memory, counting the current cache, which is given back before a new one is made."""
-        free = torch.cuda.mem_get_info(self.device)[0]
-        if self.cache is not None:
-            free += KVCache.bytes_needed(self.model.cfg, self.state.tokens.shape[0], self.cache.slots, self.dtype,
-                                         self.cache.policy, self.kv_dtype)
-        return free
-
-    def _batch_size(self, asked: int | None, n_prompts: int, slots: int, longest: int, extra: int = 0) -> int:
-        """Check an asked batch size against free GPU memory (before allocating), or pick one. extra: bytes
-        per row beyond the cache and the decode step's buffers."""
-        batch = min(asked or n_prompts, n_prompts)
-        if self.device.type != "cuda":  # only a check that the cache can exist in this machine's memory
-            need = KVCache.bytes_needed(self.model.cfg, batch, slots, self.dtype, kv_dtype=self.kv_dtype)
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if need > ram:
-                raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.1f} GiB, more than "
-                                 f"this machine's {ram / 2**30:.1f} GiB; lower the batch size ({batch}), "
-                                 f"--max-new-tokens or --budget")
-            return batch
-        free = self.free_bytes()
-        # tensor parallel: the rows every rank can hold (cfg is this rank's part of the model)
-        fits = self.model.tp.smallest(batch_that_fits(self.model.cfg, slots, longest, free, self.dtype, extra,
-                                                      self.kv_dtype))
-        if asked is None and fits > 0:
-            return min(batch, fits)
-        if batch > fits:
-            need = (batch * bytes_per_row(self.model.cfg, slots, self.dtype, extra, self.kv_dtype) + SPARE
-                    + prefill_bytes(self.model.cfg, max(PREFILL_TOKENS, longest), self.dtype))
-            raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.2f} GiB of GPU "
-                             f"memory but {free / 2**30:.2f} GiB is free ({fits} would fit); lower the "
-                             f"batch size, --max-new-tokens or --budget")
-        return batch
 
     def _prepare(self, batch, slots, policy, prompt_rule, mode):
         """Reuse the cache, buffers and captured graph when the shape and policy repeat. mode: "sample", or
@@ -929,7 +564,7 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     if engine.device.type != "cuda":
         raise ValueError("--batch-size max sizes the batch from free GPU memory; give a number on the CPU")
     slots = prompt_len + args.max_new_tokens if args.budget is None else args.budget
-    fits = engine.model.tp.smallest(batch_that_fits(engine.model.cfg, slots, prompt_len, engine.free_bytes(),
+    fits = engine.model.tp.smallest(batch_that_fits(engine.model.cfg, slots, prompt_len, free_bytes(engine),
                                                     engine.dtype, kv_dtype=engine.kv_dtype))
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")

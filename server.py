@@ -31,7 +31,9 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 
 from cache import KV_DTYPES
 from policies import resolve_policy
-from generate import Engine, Sampling, pick_device
+from generate import Engine, pick_device
+from memory import pick_batch
+from sampling import Sampling
 from cli import Parser, add_cache_options, check_policy_args, positive_int, say
 import parallel
 from model import load
@@ -312,8 +314,8 @@ class Server:
         cfg = llm_model.cfg
         self.context = args.max_model_len or cfg.max_position_embeddings or 32768
         self.slots = args.budget or self.context  # the full policy: room for the longest request
-        self.rows = engine._batch_size(args.max_batch or (None if engine.device.type == "cuda" else 8),
-                                       args.max_batch or 2**20, self.slots, self.context)
+        self.rows = pick_batch(engine, args.max_batch or (None if engine.device.type == "cuda" else 8),
+                                args.max_batch or 2**20, self.slots, self.context)
         self.feed = Feed(args.max_waiting)
         vocab = tokenizer.tok.get_vocab()
         ends = vocab.get("<think>"), vocab.get("</think>")

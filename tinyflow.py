@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 
 def check_own_modules():
-    """tinyflow's files are top-level modules (model, cache, policies, kernel, generate, cli, parallel): a file
+    """tinyflow's files are top-level modules (model, cache, policies, kernel, generate, ...): a file
     of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "policies", "kernel", "model", "generate", "cli", "parallel"):
+    for name in ("cache", "policies", "kernel", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec else None
         if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
@@ -26,7 +26,8 @@ def check_own_modules():
 check_own_modules()
 from cache import KV_DTYPES
 from policies import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
-from generate import Engine, Interrupted, Sampling, Stats, pick_device  # noqa: E402
+from generate import Engine, Interrupted, Stats, pick_device  # noqa: E402
+from sampling import Sampling  # noqa: E402
 from model import load  # noqa: E402
 from parallel import join  # noqa: E402
 

@@ -12,16 +12,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE = ["generate.py", "model.py", "cache.py", "policies.py", "kernel.py", "tinyflow.py"]
+ENGINE = ["generate.py", "step.py", "sampling.py", "memory.py", "model.py", "cache.py", "policies.py", "kernel.py",
+          "tinyflow.py"]
 DECODE_STEP = [  # (file, the functions and classes read, in order)
-    ("generate.py", ["Engine._run", "Engine._keep_block", "Stepper.__call__", "Stepper.step", "run_block",
-                     "advance", "push", "Sampler.pick", "apply_penalty", "sample", "uniform_noise"]),
+    ("generate.py", ["Engine._run", "Engine._keep_block"]),
+    ("step.py", ["Stepper.__call__", "Stepper.step", "run_block", "advance", "push"]),
     ("model.py", ["Transformer.forward", "Block.forward", "RMSNorm.forward", "Attention.forward", "rotate",
                   "MLP.forward"]),
     ("cache.py", ["KVCache.decode", "KVCache.as_stored", "KVCache.stored_tensors", "KVCache.attention"]),
     ("policies.py", ["LongFlow", "KernelPolicy.value_norm", "KernelPolicy.accumulate", "KernelPolicy.attend",
                      "PerSlot.write", "value_l1"]),
     ("kernel.py", ["decode_attention_ref", "protected_mask", "l1_norm"]),
+    ("sampling.py", ["Sampler.pick", "apply_penalty", "sample", "uniform_noise"]),
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import generate
+import memory
 import tinyflow
 from cache import KVCache
 from policies import POLICIES
@@ -282,7 +283,7 @@ def test_context_past_max_position_embeddings_only_when_allowed(checkpoints, tmp
 def test_a_batch_too_large_for_memory_names_the_batch_size(checkpoints):
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match=r"lower the batch size \(1000000\)"):
-        Engine(model, compile=False)._batch_size(10**6, 10**6, 10**6, 10)
+        memory.pick_batch(Engine(model, compile=False), 10**6, 10**6, 10**6, 10)
 
 
 def importing_torch(pid: int) -> bool:

@@ -258,7 +258,7 @@ def test_tokens_per_s_leaves_out_the_time_spent_grading_and_writing_rows(checkpo
     from dataclasses import asdict, replace
 
     import tinyflow
-    from generate import Sampling
+    from sampling import Sampling
     llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
     slow = lambda text, which="last": time.sleep(0.3)  # grading that takes a while, inside the engine's loop
     monkeypatch.setattr(ev, "extract_boxed", slow)

@@ -12,8 +12,10 @@ from torch._dynamo.utils import counters
 from safetensors.torch import load_file, save_file
 
 import generate
+import memory
 import tinyflow
-from generate import Engine, apply_penalty, sample, uniform_noise
+from generate import Engine
+from sampling import Sampling, apply_penalty, sample, uniform_noise
 from policies import POLICIES, hash32
 from model import Config, load
 
@@ -133,7 +135,7 @@ def test_greedy_with_repetition_penalty_equals_transformers(checkpoints, arch, c
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[arch], torch_dtype=torch.float32).eval()
     prompts = [tok.encode("The quick brown fox jumps over the lazy dog"), tok.encode("Hello world")]
     ours, _ = Engine(model, compile=compile).generate(prompts, 30, [], batch_size=1,
-                                                      sampling=generate.Sampling(repetition_penalty=1.5))
+                                                      sampling=Sampling(repetition_penalty=1.5))
     for prompt, out in zip(prompts, ours):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
                            repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):].tolist()
@@ -147,7 +149,7 @@ def test_new_sampling_settings_and_mixed_rows_never_recompile(checkpoints):
     mixing them in one batch, compiles nothing new, and each row gets what it gets alone."""
     model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox")]
-    S = generate.Sampling
+    S = Sampling
     greedy, hot = S(), S(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3)
     engine = Engine(model, compile=True)
     torch._dynamo.reset()
@@ -210,28 +212,28 @@ def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
 
 def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     cfg, dtype = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
-    fixed = generate.prefill_bytes(cfg, generate.PREFILL_TOKENS, dtype) + generate.SPARE
-    row = generate.bytes_per_row(cfg, 3200, dtype)
+    fixed = memory.prefill_bytes(cfg, memory.PREFILL_TOKENS, dtype) + memory.SPARE
+    row = memory.bytes_per_row(cfg, 3200, dtype)
     # 2 layers x 2 KV heads x 3200 slots x (K and V of 32 bf16, the int32 position, and the most any policy keeps
     # beside a slot: vatp's two fp32 values), + the sampling buffers and the penalty's seen ids
     kv = 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 8)
     assert row == kv + 41 * 320
-    assert generate.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
-    assert generate.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
-    assert generate.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
+    assert memory.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
+    assert memory.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
+    assert memory.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
 
 
 def test_engine_refuses_a_batch_that_cannot_fit_before_allocating(checkpoints, monkeypatch):
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = Engine(model, compile=False)
     engine.device = torch.device("cuda")  # pretend, with a GPU that has room for exactly 10 rows
-    fixed = generate.prefill_bytes(model.cfg, generate.PREFILL_TOKENS, engine.dtype) + generate.SPARE
-    free = fixed + 10 * generate.bytes_per_row(model.cfg, 64, engine.dtype)
+    fixed = memory.prefill_bytes(model.cfg, memory.PREFILL_TOKENS, engine.dtype) + memory.SPARE
+    free = fixed + 10 * memory.bytes_per_row(model.cfg, 64, engine.dtype)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
     with pytest.raises(ValueError, match=r"11 sequences of 64 KV slots need .* GiB .* free \(10 would fit\)"):
-        engine._batch_size(11, 20, 64, 10)
-    assert engine._batch_size(None, 20, 64, 10) == 10  # unasked: as many as fit, the rest wait
-    assert engine._batch_size(None, 4, 64, 10) == 4
+        memory.pick_batch(engine, 11, 20, 64, 10)
+    assert memory.pick_batch(engine, None, 20, 64, 10) == 10  # unasked: as many as fit, the rest wait
+    assert memory.pick_batch(engine, None, 4, 64, 10) == 4
     assert engine.cache is None  # nothing was allocated
 
 
@@ -404,13 +406,13 @@ def test_one_seed_per_prompt_is_checked(checkpoints):
     for bad in ([1, 2], (1, 2, 3.5), "7"):
         with pytest.raises(ValueError, match="seed must be one int or one int per prompt"):
             engine.generate([[1], [2], [3]], 4, [], seed=bad)
-    hot = generate.Sampling(temperature=1.0)  # sampled, so the seeds matter
+    hot = Sampling(temperature=1.0)  # sampled, so the seeds matter
     as_tuple, as_int = (engine.generate([[1], [2], [3]], 8, [], sampling=hot, seed=s)[0] for s in ((5, 6, 7), 5))
     assert as_tuple == as_int != engine.generate([[1], [2], [3]], 8, [], sampling=hot, seed=6)[0]
 
 
 def test_each_sampled_token_is_sample_at_its_own_position_with_its_seed(checkpoints):
-    """Sampling (temperature 0.7, top-k 50): every generated token is what generate.sample draws from the
+    """Sampling (temperature 0.7, top-k 50): every generated token is what sampling.sample draws from the
     model's logits there, with the prompt's seed and the token's own position (the first, from prefill, at
     len(prompt); the others from the decode step). The logits are transformers', teacher-forced on the
     prompt and the output; each draw is won by a clear margin (the race's winner 1% above the runner-up, the

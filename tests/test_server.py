@@ -464,6 +464,7 @@ def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
     up and every step reads all of its slots."""
     import generate
     from policies import resolve_policy
+    from sampling import Sampling
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = generate.Engine(model, compile=False)
 
@@ -473,7 +474,7 @@ def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
         def arrivals(self, idle):
             if not self.given:
                 self.given = True
-                return [([1, 2, 3], 2, set(), generate.Sampling(), 0), ([1, 2], 100, set(), generate.Sampling(), 0)]
+                return [([1, 2, 3], 2, set(), Sampling(), 0), ([1, 2], 100, set(), Sampling(), 0)]
             return None if idle else []
         stopped = lambda self, i: False
         progress = lambda self, i, ids: None
@@ -490,6 +491,7 @@ def test_a_request_that_ends_in_the_block_where_shutdown_begins_keeps_every_toke
     ended by itself, keeps every token, and the handler is not told it was cut short."""
     import generate
     from policies import resolve_policy
+    from sampling import Sampling
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = generate.Engine(model, compile=False)
     limit = 1 + engine.sync_every  # the first token at prefill, the rest in the first block
@@ -500,7 +502,7 @@ def test_a_request_that_ends_in_the_block_where_shutdown_begins_keeps_every_toke
         def arrivals(self, idle):
             if not self.given:
                 self.given = True
-                return [([1, 2, 3], limit, set(), generate.Sampling(), 0)]
+                return [([1, 2, 3], limit, set(), Sampling(), 0)]
             return None if idle else []
         stopped = lambda self, i: self.closing
         progress = lambda self, i, ids: setattr(self, "closing", True)  # Ctrl-C after its first token
