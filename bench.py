@@ -32,6 +32,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -635,13 +636,29 @@ def finite(x):
     return x
 
 
-def write_json(args, hw: Machine, complete: bool):
+def write_json(path: str, args, hw: Machine, complete: bool):
     """The rows measured so far and the options as given; complete is false for a run cut short."""
     record = dict(bandwidth=hw and hw.bandwidth, matmul_rate=hw and hw.matmul_rate,  # None: serve measures none
                   device=str(args.device), torch=torch.__version__, complete=complete,
                   args=vars(args), rows=ROWS)
-    with open(args.json, "w") as f:  # default=str: the device and the dtype
+    with open(path, "w") as f:  # default=str: the device and the dtype
         json.dump(finite(record), f, indent=1, allow_nan=False, default=str)
+
+
+def save_plot(args, hw: Machine):
+    """The plot, drawn once every row is measured. Writing it can still fail then (a full disk, the folder
+    gone): the rows must not go with it, so they are in --json (written first) or else in a file of their
+    own, and the one error line says where."""
+    try:
+        plot(ROWS, args.plot)
+    except OSError as e:
+        saved = args.json
+        if not saved:
+            handle, saved = tempfile.mkstemp(prefix="bench-rows-", suffix=".json")
+            os.close(handle)
+            write_json(saved, args, hw, complete=True)
+        raise ValueError(f"--plot {args.plot} could not be written ({e.strerror or e}); the {len(ROWS)} row(s) "
+                         f"measured are in {saved}") from None
 
 
 WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
@@ -804,14 +821,21 @@ def check_out(folder: str | None):
 
 
 def check_writable(option: str, path: str):
-    """A file can be written at path (found now, not once the benchmark has run)."""
+    """A file can be written at path (found now, not once the benchmark has run). It is opened for writing
+    rather than asked about: os.access calls /proc writable for root, where no file can be created. A file
+    made by the try is removed again."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{option} {path} is a folder; give a file name")
     if not os.path.isdir(folder):
         raise ValueError(f"{option} {path}: folder {folder} does not exist; create it or give another path")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise ValueError(f"{option} {path} cannot be written (no permission); give another path")
+    existed = os.path.exists(path)
+    try:
+        open(path, "a").close()  # "a": an existing file keeps its content until the run writes it
+    except OSError as e:
+        raise ValueError(f"{option} {path} cannot be written ({e.strerror}); give another path") from None
+    if not existed:
+        os.remove(path)
 
 
 def check_plot(path: str, json_path: str | None):
@@ -843,19 +867,28 @@ def benchmark(args):
     if args.workload not in ("serve", "checkpoint"):  # the server's machine is measured by the server's own runs
         hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
         print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
-              f"copy bandwidth {hw.bandwidth / 1e12:.2f} TB/s, matmul {hw.matmul_rate / 1e12:.3g} TFLOP/s, "
+              f"copy bandwidth {per_second(hw.bandwidth, 'B')}, matmul {per_second(hw.matmul_rate, 'FLOP')}, "
               f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
     try:
         for one in sweep(args):
             WORKLOADS[args.workload](one, hw, model)
     except BaseException:  # Ctrl-C or an error midway: the rows measured so far are kept all the same
         if args.json and ROWS:
-            write_json(args, hw, complete=False)
+            write_json(args.json, args, hw, complete=False)
         raise
     if args.json:
-        write_json(args, hw, complete=True)
+        write_json(args.json, args, hw, complete=True)
     if args.plot:
-        plot(ROWS, args.plot)
+        save_plot(args, hw)
+
+
+def per_second(value: float, unit: str) -> str:
+    """A rate in the SI prefix that fits it, three significant digits: a CPU copies some GB/s, an H200 some
+    TB/s (rounded first, so that 999.7 GB/s is 1 TB/s, not 1e+03 GB/s)."""
+    value = float(f"{value:.3g}")
+    prefix, scale = next(((p, x) for p, x in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if value >= x),
+                         ("", 1))
+    return f"{value / scale:.3g} {prefix}{unit}/s"
 
 
 def main():

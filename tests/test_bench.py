@@ -2,9 +2,11 @@
 once, in one line; Ctrl-C keeps the rows measured."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -134,6 +136,11 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
     pytest.param(f"{SMALL} --json {{tmp}}", "is a folder", id="json-is-a-folder"),
     pytest.param(f"{SMALL} --plot {{tmp}}/missing/plot.png", "missing does not exist", id="plot-folder-missing"),
     pytest.param(f"{SMALL} --plot {{tmp}}/plot.xyz", "matplotlib cannot write .xyz files", id="plot-format"),
+    # a folder os.access calls writable for root, where no file can be created: tried now, not after the rows
+    pytest.param(f"{SMALL} --plot /proc/tinyflow-plot.png", "--plot /proc/tinyflow-plot.png cannot be written",
+                 id="plot-cannot-be-created"),
+    pytest.param(f"{SMALL} --json /proc/tinyflow-rows.json", "--json /proc/tinyflow-rows.json cannot be written",
+                 id="json-cannot-be-created"),
     pytest.param(f"{SMALL} --plot {{tmp}}/out --json {{tmp}}/out", "the plot would overwrite the rows",
                  id="plot-over-json"),
     pytest.param("throughput --device cpu --model {tmp}/no-such-model", "does not exist", id="model-missing"),
@@ -180,6 +187,40 @@ def test_bench_ctrl_c_exits_130_in_one_line_and_writes_the_finished_rows(tmp_pat
     record = strict_json(out)
     assert record["complete"] is False and 1 <= len(record["rows"]) < len(batches)
     assert all(row["tokens_per_s"] > 0 for row in record["rows"])
+
+
+@pytest.mark.parametrize("with_json", [True, False], ids=["json-given", "no-json"])
+def test_a_plot_that_fails_to_write_after_the_run_keeps_the_rows_and_says_where(tmp_path, monkeypatch, capsys,
+                                                                                with_json):
+    """The plot is drawn once every row is measured; if writing it fails then (a full disk), the rows are in
+    --json, or in a file of their own, and the one error line says which."""
+    import bench as bench_module
+
+    def disk_full(rows, path):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(bench_module, "plot", disk_full)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the rows go without --json
+    given = ["--json", tmp_path / "rows.json"] if with_json else []
+    code, out, err = bench_in_process(monkeypatch, capsys, *SMALL.split(), "--policy", "longflow", "--plot",
+                                      tmp_path / "plot.png", *given)
+    assert code == 2 and out.count("workload=throughput") == 1, err
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: --plot {tmp_path / 'plot.png'} could not be written (No space left on device)")
+    saved = tmp_path / "rows.json" if with_json else next(tmp_path.glob("bench-rows-*.json"))
+    assert line.endswith(f"the 1 row(s) measured are in {saved}"), line
+    record = strict_json(saved)
+    assert record["complete"] is True and record["rows"][0]["tokens_per_s"] > 0
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_the_header_gives_bandwidth_and_matmul_rate_in_units_that_fit(sweep):
+    """A CPU copies some GB/s, an H200 some TB/s: each in its own unit, three significant digits."""
+    import bench
+    assert bench.per_second(4.26e12, "B") == "4.26 TB/s" and bench.per_second(2.05e10, "B") == "20.5 GB/s"
+    assert bench.per_second(7.85e14, "FLOP") == "785 TFLOP/s" and bench.per_second(999.7e9, "B") == "1 TB/s"
+    assert bench.per_second(512, "B") == "512 B/s"
+    header = sweep[0].stdout.splitlines()[0]
+    assert re.search(r"copy bandwidth [1-9][0-9.]* [kMGT]?B/s, matmul [1-9][0-9.]* [kMGT]?FLOP/s", header), header
 
 
 def test_bench_generate_rows_say_which_budget_they_measured(tmp_path, monkeypatch, capsys):
