@@ -28,7 +28,7 @@ import kernel
 import parallel
 from memory import PREFILL_TOKENS, batch_that_fits, free_bytes, pick_batch
 from model import DTYPES, Transformer, load
-from sampling import Sampler, Sampling, seeds_for, settings_for
+from sampling import BadSetting, Sampler, Sampling, seeds_for, settings_for
 from step import RING, Forcing, State, Stepper
 
 # ---- the generation loop ------------------------------------------------------------------------------
@@ -528,13 +528,14 @@ def run(args):
     check_policy_args(args)
     rule = args.prompt_compression or "snapkv"
     policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, rule)
+    sampling_from_flags(args, {})  # the values given, checked before the model loads
     device, dtype = pick_device(args.device, args.dtype)
     tp, device = parallel.join(device)  # under torchrun: this rank's part of the model, its GPU
     text = parallel.on_rank0(lambda: read_prompt(args))  # standard input is rank 0's
     if not text.strip():
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
     model, tok = load(args.model, device, dtype, tp)
-    sampling = Sampling.with_defaults(tok.defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    sampling = sampling_from_flags(args, tok.defaults)
     check_sampling_args(args, sampling)
     ids = prompt_ids(tok, text, args)
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
@@ -549,6 +550,18 @@ def run(args):
         screen.show(stop.outputs, stop.stats)
         raise
     screen.show(outs, stats)
+
+
+def sampling_from_flags(args, defaults: dict) -> Sampling:
+    """--temperature, --top-k, --top-p, --repetition-penalty, and the model's defaults for those not given."""
+    try:
+        return Sampling.with_defaults(defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    except BadSetting as e:
+        flag = "--" + e.setting.replace("_", "-")
+        if getattr(args, e.setting) is None:
+            raise ValueError(f"this model's generation_config.json sets {e.setting} to {e.value!r}, which must be "
+                             f"{e.allowed}: give {flag} to override it") from None
+        raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None
 
 
 def prompt_ids(tok, text: str, args) -> list[int]:

@@ -2,6 +2,7 @@
 device buffers (a Sampler), so that one compiled decode step serves every mix of settings, and noise that
 depends only on (seed, position, token id), so that a sample never depends on the batch it ran in."""
 import math
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -74,25 +75,54 @@ class Sampling:
     repetition_penalty: float = 1.0  # 1: none
 
     def __post_init__(self):
-        number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-        # below 1e-6, logits / temperature can overflow to inf and the softmax to NaN
-        if not (number(self.temperature) and (self.temperature == 0 or self.temperature >= 1e-6)
-                and number(self.top_p) and 0 < self.top_p <= 1
-                and is_int(self.top_k) and 0 <= self.top_k < 2**63):
-            raise ValueError(f"sampling needs temperature 0 (greedy) or >= 1e-6, an integer top-k >= 0 (below 2^63) "
-                             f"and 0 < top-p <= 1; got {self.temperature!r}, {self.top_k!r}, {self.top_p!r}")
-        # fp32 holds it (and its inverse) as a normal number: 1e-300 would be 0 there, and the logits inf
-        if not (number(self.repetition_penalty) and 1e-30 <= self.repetition_penalty <= 1e30):
-            raise ValueError(f"repetition penalty must be a number from 1e-30 to 1e30 (1: none), got "
-                             f"{self.repetition_penalty!r}")
+        check_sampling(self)
 
     @classmethod
     def with_defaults(cls, defaults: dict, temperature=None, top_k=None, top_p=None,
                       repetition_penalty=None) -> "Sampling":
         """The given settings, and the model's generation_config.json defaults for those left None."""
-        pick = lambda value, name, default: defaults.get(name, default) if value is None else value
-        return cls(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
-                   float(pick(top_p, "top_p", 1.0)), float(pick(repetition_penalty, "repetition_penalty", 1.0)))
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        chosen = {name: defaults.get(name, getattr(cls, name)) if value is None else value
+                  for name, value in given.items()}
+        try:
+            return cls(**chosen)
+        except BadSetting as e:
+            if given[e.setting] is not None:
+                raise
+            raise BadSetting(e.setting, e.value, e.allowed, "the model's default, from its generation_config.json; "
+                                                            "give the setting to override it") from None
+
+
+class BadSetting(ValueError):
+    """A sampling setting out of its range: which one, its value, the range (for a message in the caller's
+    own names: server.py's params, generate.py's flags)."""
+
+    def __init__(self, setting: str, value, allowed: str, source: str = ""):
+        super().__init__(f"{setting} must be {allowed}, got {value!r}" + (f" ({source})" if source else ""))
+        self.setting, self.value, self.allowed = setting, value, allowed
+
+
+def finite(x) -> bool:
+    """A finite real number (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# each setting's range, and how a message says it
+SAMPLING_RANGES = {
+    # below 1e-6, logits / temperature can overflow to inf and the softmax to NaN
+    "temperature": (lambda x: finite(x) and (x == 0 or x >= 1e-6), "0 (greedy) or a number from 1e-6 up"),
+    "top_k": (lambda x: is_int(x) and 0 <= x < 2**63, "an integer from 0 (no limit) to 2^63 - 1"),
+    "top_p": (lambda x: finite(x) and 0 < x <= 1, "a number in (0, 1]"),
+    # fp32 holds it (and its inverse) as a normal number: 1e-300 would be 0 there, and the logits inf
+    "repetition_penalty": (lambda x: finite(x) and 1e-30 <= x <= 1e30, "a number from 1e-30 to 1e30 (1: none)"),
+}
+
+
+def check_sampling(s: Sampling):
+    for name, (ok, allowed) in SAMPLING_RANGES.items():
+        value = getattr(s, name)
+        if not ok(value):
+            raise BadSetting(name, value, allowed)
 
 
 @dataclass

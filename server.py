@@ -33,7 +33,7 @@ from cache import KV_DTYPES
 from policies import resolve_policy
 from generate import Engine, pick_device
 from memory import pick_batch
-from sampling import Sampling
+from sampling import BadSetting, Sampling
 from cli import Parser, add_cache_options, check_policy_args, positive_int, say
 import parallel
 from model import load
@@ -396,8 +396,8 @@ class Server:
         try:
             sampling = Sampling.with_defaults(self.tok.defaults, temperature, max(top_k, 0) if top_k is not None
                                               else None, top_p, penalty)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        except BadSetting as e:
+            raise ApiError(400, str(e), e.setting) from None
         seed = take(body, "seed", lambda x: isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63,
                     "an integer of 64 bits", random.randrange(2**31))
         ignore_eos = take(body, "ignore_eos", lambda x: isinstance(x, bool), "true or false", False)

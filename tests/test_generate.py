@@ -199,9 +199,11 @@ def test_api_rejects_bad_arguments_with_clear_errors(checkpoints):
         llm.generate([[1, 99999]])
     with pytest.raises(ValueError, match="token ids must be integers"):
         llm.generate([[1.9, 2.7]])  # never truncated to [1, 2]
-    for sampling in (dict(temperature=None), dict(temperature=1e-45), dict(temperature=1.0, top_k=2.5),
-                     dict(top_p="0.9")):
-        with pytest.raises(ValueError, match="sampling needs"):
+    for sampling, says in ((dict(temperature=None), "temperature must be 0 (greedy) or a number from 1e-6 up, got None"),
+                           (dict(temperature=1e-45), "temperature must be 0 (greedy) or a number from 1e-6 up"),
+                           (dict(temperature=1.0, top_k=2.5), "top_k must be an integer from 0 (no limit)"),
+                           (dict(top_p="0.9"), "top_p must be a number in (0, 1], got '0.9'")):
+        with pytest.raises(ValueError, match=re.escape(says)):
             llm.generate(["Hi"], **sampling)
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="batch_size must be a positive integer"):
@@ -339,9 +341,11 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, capsys, config,
     (["--max-new-tokens", "0"], "positive integer"),
     (["--prompt", "   "], "prompt is empty"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file"),
-    (["--top-p", "0"], "top-p"),
-    (["--temperature", "nan"], "temperature 0 (greedy) or >= 1e-6"),
-    (["--temperature", "1e-45"], "temperature 0 (greedy) or >= 1e-6"),
+    (["--top-p", "0"], "--top-p must be a number in (0, 1], got 0.0"),
+    (["--temperature", "nan"], "--temperature must be 0 (greedy) or a number from 1e-6 up, got nan"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or a number from 1e-6 up, got -1.0"),
+    (["--temperature", "1e-45"], "--temperature must be 0 (greedy) or a number from 1e-6 up, got 1e-45"),
+    (["--top-k", "-3"], "--top-k must be an integer from 0 (no limit) to 2^63 - 1, got -3"),
     (["--device", "tpu9"], "unknown device"),
     (["--device", "mps"], "unsupported device 'mps'"),
     (["--device", "cpu:3"], "unsupported device 'cpu:3'"),
@@ -353,6 +357,26 @@ def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, mes
     argv = ["--model", checkpoints["qwen2"], "--no-compile"] + prompt + args
     code, _, err = cli(capsys, *argv)
     assert code == 2 and message in err and err.startswith("error:") and err.count("\n") == 1, err
+
+
+def test_a_bad_sampling_flag_is_refused_before_the_model_loads(checkpoints, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--top-p", "1.5")
+    assert code == 2 and err == "error: --top-p must be a number in (0, 1], got 1.5\n", err
+
+
+def test_a_bad_default_sampling_setting_names_generation_config(checkpoints, tmp_path, capsys):
+    """A setting out of range in generation_config.json is the model's, not the user's: the message says where
+    it came from and which flag overrides it; given that flag, the run goes on."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["qwen2"], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 1.5}))
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")
+    assert code == 2 and err == ("error: this model's generation_config.json sets top_p to 1.5, which must be a "
+                                 "number in (0, 1]: give --top-p to override it\n"), err
+    code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", "--top-p", "0.9",
+                         "--max-new-tokens", "2")
+    assert code == 0 and "generated 2 tok" in out, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

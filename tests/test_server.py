@@ -224,6 +224,7 @@ BAD = [  # (what, body, status, param)
     ("max_tokens a string", {"model": "tiny", "prompt": "Hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens past the context", {"model": "tiny", "prompt": "Hi", "max_tokens": 600}, 400, "max_tokens"),
     ("a temperature of 3", {"model": "tiny", "prompt": "Hi", "temperature": 3}, 400, "temperature"),
+    ("a temperature that is 0 in fp32", {"model": "tiny", "prompt": "Hi", "temperature": 1e-300}, 400, "temperature"),
     ("top_p 0", {"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p"),
     ("a seed past 64 bits", {"model": "tiny", "prompt": "Hi", "seed": 2**70}, 400, "seed"),
     ("an empty stop string", {"model": "tiny", "prompt": "Hi", "stop": [""]}, 400, "stop"),
