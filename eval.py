@@ -591,18 +591,40 @@ class ProgressBar:
             self.bar.close()
 
 
-def lock_run(path: Path):
-    """Hold an exclusive lock on `path` for the life of this process: a second eval.py writing the same run
-    would write every row twice. The lock goes with the process, however it ends."""
-    import fcntl
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path.with_suffix(".lock"), "w")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise ValueError(f"another eval.py is writing {path}; wait for it to finish or use another --out") from None
-    return handle
+class RunLock:
+    """An exclusive lock on a run for the life of this eval.py: a second eval.py writing the same run would
+    write every row twice. flock on a file beside the run's (the lock goes with the process, however it ends),
+    removed on release, so that --out holds results only (a process killed outright leaves its empty .lock,
+    which keeps nobody out)."""
+
+    def __init__(self, path: Path):
+        import fcntl
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path.with_suffix(".lock")
+        while True:
+            self.handle = open(self.path, "w")
+            try:
+                fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.handle.close()
+                raise ValueError(f"another eval.py is writing {path}; wait for it to finish or use another "
+                                 f"--out") from None
+            if self._names_our_file():
+                return
+            # the eval.py that held it removed the file between our open and our flock: a lock on a removed
+            # file keeps nobody out (the next one creates a new file), so lock the file the name holds now
+            self.handle.close()
+
+    def _names_our_file(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
+    def release(self):
+        self.path.unlink(missing_ok=True)  # while still locked: nobody locks the file between the two
+        self.handle.close()
+
 
 
 def needle_summary(rows: list[dict]) -> dict:
@@ -621,11 +643,36 @@ def check_settings(path: Path, settings: dict):
     before = read_json(saved) if path.exists() and saved.exists() else settings
     if isinstance(before, dict):  # a file from before the data's digest was kept: the other settings decide
         before.setdefault("data_sha256", settings["data_sha256"])
-    if before != settings:  # unreadable: other settings too
-        raise ValueError(f"{path} was written with other settings ({read_text(saved).strip()}); "
-                         f"use another --out or delete it")
+    if not isinstance(before, dict):
+        raise ValueError(f"{saved}, the settings it was written with, cannot be read; use another --out, or "
+                         f"delete it and {path} to start the run again")
+    changed = changed_settings(before, settings)
+    if changed:
+        raise ValueError(f"{path} was written with other settings: {'; '.join(changed)}; use another --out, the "
+                         f"settings it was written with, or delete it")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(saved, json.dumps(settings))
+
+
+def changed_settings(before: dict, now: dict, prefix: str = "") -> list[str]:
+    """'NAME was OLD, now NEW' for each setting that differs, those inside a group (sampling) by their dotted
+    name; long values (a system prompt, a digest) cut short."""
+    changed = []
+    for key in [*now, *(k for k in before if k not in now)]:
+        old, new = before.get(key, MISSING), now.get(key, MISSING)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += changed_settings(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key} was {shown(old)}, now {shown(new)}")
+    return changed
+
+
+MISSING = object()  # a setting one of the two settings files lacks
+
+
+def shown(value) -> str:
+    text = "unset" if value is MISSING else json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def parse_run(text: str) -> tuple[str, int | None, str]:
@@ -1139,7 +1186,7 @@ def run_main(args):
         # every run locked, and its earlier rows read, before the model loads: by rank 0 under torchrun, which
         # alone writes the run's file (and merges the files of data-parallel ranks, read here too)
         for path in paths if parallel.rank() == 0 else []:
-            locks.append(lock_run(path))
+            locks.append(RunLock(path))
             for rows_file in [path, *rank_files(path)]:
                 read_rows(rows_file)
         summaries = evaluate_runs(args, proto, runs, items, paths, digest)
@@ -1152,8 +1199,8 @@ def run_main(args):
         interrupted(f"{saved} of {len(paths) * len(items) * proto.samples} generations are saved in {out_dir}; "
                     "run the same command to resume with the rest")
     finally:  # also when interrupted: an eval.py inside a longer Python session must not keep them
-        for handle in locks:
-            handle.close()
+        for lock in locks:
+            lock.release()
         parallel.stop()
 
 

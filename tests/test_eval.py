@@ -1,5 +1,6 @@
 """eval.py end to end on a tiny random checkpoint: files written, resumable, the synthetic task."""
 import json
+import os
 
 import pytest
 import torch
@@ -140,11 +141,42 @@ def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_t
 
 def test_a_second_eval_on_the_same_run_is_refused(checkpoints, tmp_path, capsys):
     data, out = write_data(tmp_path), tmp_path / "runs"
-    held = ev.lock_run(out / "mini_longflow_40.jsonl")  # another eval.py, still running
+    held = ev.RunLock(out / "mini_longflow_40.jsonl")  # another eval.py, still running
     assert "another eval.py is writing" in refused(capsys, [*eval_args(checkpoints, data, out), "--runs", "full",
                                                             "longflow:40"])
-    held.close()
+    held.release()
     run_eval(checkpoints, data, out)
+
+
+def test_an_eval_that_ends_leaves_no_lock_files_in_out(checkpoints, tmp_path, capsys):
+    """The lock of a run is a file beside it while eval.py runs, gone once it ends (refused or not): --out holds
+    results only."""
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    run_eval(checkpoints, data, out)
+    refused(capsys, [*eval_args(checkpoints, data, out), "--runs", "full", "longflow:40", "--max-new-tokens", "5"])
+    assert not list(out.glob("*.lock")), sorted(p.name for p in out.iterdir())
+
+
+def test_a_lock_file_removed_by_the_eval_that_held_it_is_locked_anew(tmp_path, monkeypatch):
+    """A second eval.py may open the lock file just before the first removes it at its end: a lock on that
+    removed file would keep nobody out, so it locks the file the name now holds."""
+    import fcntl
+    run = tmp_path / "mini_full_all.jsonl"
+    first = ev.RunLock(run)
+    real_flock = fcntl.flock
+
+    def first_ends_in_between(handle, how):  # the second opened the file; the first releases before its flock
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        first.release()
+        return real_flock(handle, how)
+    monkeypatch.setattr(fcntl, "flock", first_ends_in_between)
+    second = ev.RunLock(run)
+    lock = run.with_suffix(".lock")
+    assert lock.exists() and lock.stat().st_ino == os.fstat(second.handle.fileno()).st_ino
+    with pytest.raises(ValueError, match="another eval.py is writing"):
+        ev.RunLock(run)  # a third is kept out
+    second.release()
+    assert not lock.exists()
 
 
 def test_the_summary_counts_only_the_rows_of_the_current_limit_and_samples(checkpoints, tmp_path):
@@ -208,9 +240,13 @@ def test_resuming_with_other_settings_is_refused(checkpoints, tmp_path, capsys):
     run_eval(checkpoints, data, out)
     again = ["--model", checkpoints["qwen3"], "--data", data, "--runs", "longflow:40", "--out", out, "--device",
              "cpu", "--no-compile"]
-    assert "was written with other settings" in refused(capsys, [*again, "--max-new-tokens", "13"])
+    err = refused(capsys, [*again, "--max-new-tokens", "13", "--temperature", "0.5"])
+    # the settings that differ, old and new (the sampling settings by name), not the whole settings file
+    assert "was written with other settings: max_new_tokens was 12, now 13; sampling.temperature was " in err
+    assert ", now 0.5; use another --out" in err and '"model":' not in err, err
     (out / "mini_longflow_40.settings.json").write_text('{"model": ')  # damaged: cannot be the same settings
-    assert "was written with other settings" in refused(capsys, [*again, "--max-new-tokens", "12"])
+    err = refused(capsys, [*again, "--max-new-tokens", "12"])
+    assert "mini_longflow_40.settings.json, the settings it was written with, cannot be read" in err, err
 
 
 def test_resuming_after_the_dataset_changed_is_refused_before_any_run_generates(checkpoints, tmp_path, capsys,
