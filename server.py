@@ -30,10 +30,10 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
     signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
 
 from cache import KV_DTYPES
-from policies import resolve_policy
+from policies import is_int, resolve_policy
 from generate import Engine, pick_device
 from memory import pick_batch
-from sampling import BadSetting, Sampling
+from sampling import SAMPLING_RANGES, BadSetting, Sampling
 from cli import Parser, add_cache_options, check_policy_args, positive_int, say
 import parallel
 from model import load
@@ -41,6 +41,7 @@ from model import load
 try:
     import uvicorn
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -53,7 +54,8 @@ SYNC_TICK = 0.05  # seconds the idle engine thread waits for a request before lo
 class ApiError(Exception):
     """A request the server refuses: its HTTP status and OpenAI's error object."""
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -279,6 +281,19 @@ def take(body: dict, name: str, check, what: str, default=None):
     return value
 
 
+def is_top_k(x) -> bool:
+    return (is_int(x) and x == -1) or SAMPLING_RANGES["top_k"][0](x)
+
+
+# Each sampling setting's check and how a refusal says it: the engine's own range (sampling.py), so that every
+# value taken here runs and a value out of it is refused in the words of the other fields; narrowed to
+# OpenAI's range of temperature, and widened by vLLM's -1 for top_k (no limit, as 0 is).
+SAMPLING = {"temperature": (lambda x: SAMPLING_RANGES["temperature"][0](x) and x <= 2,
+                            "0 (greedy) or a number from 1e-6 to 2"),
+            "top_p": SAMPLING_RANGES["top_p"],
+            "top_k": (is_top_k, "an integer from -1 to 2^63 - 1 (0 or -1: no limit)"),
+            "repetition_penalty": SAMPLING_RANGES["repetition_penalty"]}
+
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty", "n",
           "stream", "stream_options", "ignore_eos", "user", "presence_penalty", "frequency_penalty", "logprobs",
           "logit_bias"}
@@ -388,14 +403,11 @@ class Server:
         elif max_tokens > room:
             raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt)} tokens is past this server's "
                                 f"context of {len(prompt) + room} tokens; ask for at most {room}", "max_tokens")
-        temperature = take(body, "temperature", lambda x: is_number(x) and 0 <= x <= 2, "a number in [0, 2]")
-        top_p = take(body, "top_p", lambda x: is_number(x) and 0 < x <= 1, "a number in (0, 1]")
-        top_k = take(body, "top_k", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= -1,
-                     "an integer >= 0 (0 or -1: no limit)")
-        penalty = take(body, "repetition_penalty", lambda x: is_number(x) and x > 0, "a number > 0")
-        try:
-            sampling = Sampling.with_defaults(self.tok.defaults, temperature, max(top_k, 0) if top_k is not None
-                                              else None, top_p, penalty)
+        given = {name: take(body, name, *check) for name, check in SAMPLING.items()}
+        if given["top_k"] == -1:
+            given["top_k"] = 0  # no limit
+        try:  # only the model's own defaults can be out of range now
+            sampling = Sampling.with_defaults(self.tok.defaults, **given)
         except BadSetting as e:
             raise ApiError(400, str(e), e.setting) from None
         seed = take(body, "seed", lambda x: isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63,
@@ -604,14 +616,25 @@ class Reply:
 
 
 def app(server: Server):
+    routes = [Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+              Route("/v1/completions", server.completions, methods=["POST"]),
+              Route("/v1/models", server.models, methods=["GET"]),
+              Route("/health", server.health, methods=["GET"])]
+    there = ", ".join(f"{'POST' if 'POST' in r.methods else 'GET'} {r.path}" for r in routes)
+
+    async def no_route(request, exc):  # Starlette's own 404 and 405 are plain text: OpenAI's error JSON instead
+        asked = f"{request.method} {request.url.path}"
+        if exc.status_code == 405:
+            allowed = "POST" if "POST" in exc.headers["Allow"] else "GET"
+            message = f"{request.url.path} takes {allowed}, not {request.method}; this server has {there}"
+        else:
+            message = f"no route {asked}; this server has {there}"
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
     async def failure(request, exc):  # a bug in one request's handling fails that request only
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
-    return Starlette(routes=[
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-    ], exception_handlers={Exception: failure})
+    return Starlette(routes=routes, exception_handlers={HTTPException: no_route, Exception: failure})
 
 
 # ---- the command line -------------------------------------------------------------------------------------

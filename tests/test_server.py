@@ -272,6 +272,42 @@ def test_a_bad_chat_request_gets_its_status(server, what, body, status, param):
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("method, path, status, says", [
+    ("POST", "/v1/embeddings", 404, "no route POST /v1/embeddings"),
+    ("GET", "/v1/nothing", 404, "no route GET /v1/nothing"),
+    ("GET", "/v1/chat/completions", 405, "/v1/chat/completions takes POST, not GET"),
+    ("POST", "/v1/models", 405, "/v1/models takes GET, not POST"),
+], ids=["unknown-route", "unknown-get", "chat-by-get", "models-by-post"])
+def test_an_unknown_route_or_method_gets_openai_error_json_and_serving_goes_on(server, method, path, status, says):
+    r = httpx.request(method, server.url + path, timeout=300)
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == {404: "not_found_error", 405: "invalid_request_error"}[status]
+    assert says in error["message"] and "POST /v1/completions" in error["message"], error  # what there is
+    if status == 405:
+        assert method not in r.headers["allow"]
+    assert server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("repetition_penalty", 1e-40, "'repetition_penalty' must be a number from 1e-30 to 1e30 (1: none), got 1e-40"),
+    ("repetition_penalty", 0, "'repetition_penalty' must be a number from 1e-30 to 1e30 (1: none), got 0"),
+    ("top_k", -2, "'top_k' must be an integer from -1 to 2^63 - 1 (0 or -1: no limit), got -2"),
+    ("top_k", 2**70, "'top_k' must be an integer from -1 to 2^63 - 1 (0 or -1: no limit), got 1180591620717411303424"),
+    ("temperature", 1e-300, "'temperature' must be 0 (greedy) or a number from 1e-6 to 2, got 1e-300"),
+    ("temperature", 3, "'temperature' must be 0 (greedy) or a number from 1e-6 to 2, got 3"),
+    ("top_p", 0, "'top_p' must be a number in (0, 1], got 0"),
+], ids=["penalty-below-fp32", "penalty-0", "top_k--2", "top_k-past-64-bits", "temperature-0-in-fp32", "temperature-3",
+        "top_p-0"])
+def test_a_sampling_setting_out_of_range_is_refused_as_the_routes_own_checks_say_it(server, name, value, message):
+    """The range is the engine's (any value in it runs), said in the words of every other field's refusal,
+    with the field as param."""
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", name: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    assert r.json()["error"]["message"] == message
+
+
 def test_a_body_over_the_size_limit_gets_413(server):
     r = server.post("/v1/completions", {"model": "tiny", "prompt": "x" * (5 * 2**20)})
     assert r.status_code == 413
