@@ -696,8 +696,10 @@ def main(argv=None):
                 say(f"error: the engine failed to start: {server.failed}")
                 sys.exit(1)
     except (ValueError, FileNotFoundError) as e:
-        say(f"error: {e}")
-        sys.exit(2)
+        say(parallel.report(e))  # under torchrun (refused) every rank meets the same input: rank 0 says it
+        # and the other ranks end quietly with status 0: torchrun stops every rank (SIGTERM) once one fails,
+        # which would cut off a rank 0 still importing before it says why
+        sys.exit(2 if parallel.rank() == 0 else 0)
     except KeyboardInterrupt:  # while loading or compiling (the engine thread is a daemon: it goes too)
         say("interrupted")
         sys.exit(130)

@@ -246,6 +246,24 @@ def test_data_parallel_eval_past_the_context_is_said_once_whichever_rank_holds_t
     assert r.returncode != 0 and len(errors) == 1 and "max_position_embeddings 512" in errors[0], r.stderr[-2000:]
 
 
+def server_py_job(tp, checkpoints, folder):
+    return torchrun("server.py", "--model", str(checkpoints["qwen3"]), "--device", "cpu")
+
+
+def test_server_py_under_torchrun_is_refused_once_then_torchrun_adds_its_own_report(runs):
+    """Rank 0 alone says it and exits with status 2 (the other ranks end quietly, with 0, so that torchrun
+    does not stop rank 0 before its line). What torchrun prints after that line is its own, whatever the
+    ranks do (any non-zero exit is a failed worker to it), as docs/parallel.md says: a log line, its own
+    traceback ending in ChildFailedError, the failed rank's exit code, and exit status 1."""
+    r = runs["server_py"].result()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: server.py serves from one process on one GPU; start it without torchrun"], r.stderr
+    before, added = r.stderr.split(errors[0])
+    assert "Traceback" not in before, "a rank died in a traceback"
+    assert "failed (exitcode: 2) local_rank: 0" in added and "ChildFailedError" in added, added
+    assert added.count("exitcode  : 2") == 1 and r.returncode == 1, (r.returncode, added)
+
+
 # name: (the job, the test that reads it), in the order the tests above wait for them
 JOBS = {"tp": (tp_job, "test_two_ranks_compute_what_one_process_computes"),
         "kv_heads": (kv_heads_job, "test_kv_heads_that_do_not_split_are_refused_in_one_line"),
@@ -258,7 +276,8 @@ JOBS = {"tp": (tp_job, "test_two_ranks_compute_what_one_process_computes"),
         "prompt_file": (prompt_file_job, "test_a_prompt_file_rank_0_cannot_read_fails_every_rank_in_one_line"),
         "bad_model": (bad_model_job, "test_bad_input_found_after_the_ranks_joined_is_said_once"),
         "dp_context": (dp_context_job,
-                       "test_data_parallel_eval_past_the_context_is_said_once_whichever_rank_holds_the_prompt")}
+                       "test_data_parallel_eval_past_the_context_is_said_once_whichever_rank_holds_the_prompt"),
+        "server_py": (server_py_job, "test_server_py_under_torchrun_is_refused_once_then_torchrun_adds_its_own_report")}
 
 
 def test_ctrl_c_under_torchrun_ends_every_rank_in_rank_0s_one_line(checkpoints):
