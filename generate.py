@@ -461,7 +461,8 @@ def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"
         raise ValueError(f"empty {what}: give at least one token of {what} text")
     if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not all(is_int(t) and 0 <= t < vocab_size for p in prompts for t in p):
+    distinct = dict(zip(map(id, prompts), prompts)).values()  # a prompt given many times is checked once
+    if not all(is_int(t) and 0 <= t < vocab_size for p in distinct for t in p):
         raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model")
 
 
@@ -541,6 +542,8 @@ def run(args):
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
                     kv_dtype=KV_DTYPES[args.kv_dtype])
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
+    # refused by size now, before the prompt is copied `batch` times and each copy checked
+    pick_batch(engine, batch, batch, args.budget or len(ids) + args.max_new_tokens, len(ids))
     screen = Screen(tok, batch)
     try:
         outs, stats = engine.generate([ids] * batch, args.max_new_tokens, tok.eos_ids, args.budget, policy, sampling,

@@ -359,6 +359,28 @@ def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, mes
     assert code == 2 and message in err and err.startswith("error:") and err.count("\n") == 1, err
 
 
+def test_a_batch_too_large_for_memory_is_refused_before_its_prompts_are_checked(checkpoints, capsys, monkeypatch):
+    """--batch-size 10**8 on the CPU: refused by its size at once, not after checking 10**8 copies of the prompt."""
+    monkeypatch.setattr(generate, "check_request", lambda *a, **k: pytest.fail("the copies were checked first"))
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--device", "cpu",
+                       "--batch-size", 10**8)
+    assert code == 2 and "100000000 sequences of" in err and "lower the batch size (100000000)" in err, err
+
+
+def test_a_prompt_given_many_times_has_its_ids_checked_once():
+    class Counted(list):
+        reads = 0
+
+        def __iter__(self):
+            Counted.reads += 1
+            return super().__iter__()
+
+    generate.check_request([Counted([1, 2, 3])] * 1000, 4, vocab_size=10)
+    assert Counted.reads == 1
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 10\)"):
+        generate.check_request([[1, 2]] * 3 + [[1, 10]], 4, vocab_size=10)  # every distinct one is still checked
+
+
 def test_a_bad_sampling_flag_is_refused_before_the_model_loads(checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
     code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--top-p", "1.5")
