@@ -37,7 +37,7 @@ class Stats:
     prompt_tokens: int
     generated_tokens: int
     batch: int  # sequences decoded together
-    setup_s: float  # compiling the step and capturing its graph (0 when reused)
+    setup_s: float  # making the cache and the step: compiling and capturing it, or one eager step (0 when reused)
     prefill_s: float
     decode_s: float
     policy: str  # the eviction rule, "full" for none
@@ -46,15 +46,23 @@ class Stats:
     kv_bytes: int
     full_kv_bytes: int  # what a full cache (of the same kv_dtype) for the same rows would need, each holding
     #                     the longest sequence
+    longest: int = 0  # the longest sequence, prompt and output
+    compiled: bool = True  # whether setup_s compiled the step
 
     def line(self) -> str:
         rate = self.generated_tokens / max(self.prefill_s + self.decode_s, 1e-9)
-        kv = f"KV cache {self.policy}, {self.slots} slots/seq in {self.kv_dtype}, {self.kv_bytes / 2**20:.1f} MiB"
-        if self.policy != "full":
-            kv += f" (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)"
+        setup = "compile" if self.compiled else "setup"
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok in "
                 f"{self.prefill_s + self.decode_s:.2f} s ({rate:.1f} tok/s, batch {self.batch}; prefill "
-                f"{self.prefill_s:.2f} s, compile {self.setup_s:.1f} s); {kv}")
+                f"{self.prefill_s:.2f} s, {setup} {self.setup_s:.1f} s); {self.kv_line()}")
+
+    def kv_line(self) -> str:
+        kv = f"KV cache {self.policy}, {self.slots} slots/seq in {self.kv_dtype}, {self.kv_bytes / 2**20:.1f} MiB"
+        if self.policy == "full":
+            return kv
+        if 0 < self.longest <= self.slots:  # the budget is larger than the sequences: it never evicted
+            return kv + f" (the budget holds every token: the longest sequence has {self.longest}, none was evicted)"
+        return kv + f" (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -283,7 +291,7 @@ class Engine:
                      # every rank's KV heads (cfg is one rank's part under tensor parallel)
                      self.model.tp.size * KVCache.bytes_needed(cfg, batch, slots, self.dtype, policy, self.kv_dtype),
                      self.model.tp.size * KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"],
-                                                               self.kv_dtype))
+                                                               self.kv_dtype), longest, self.compile)
 
     def check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""

@@ -381,6 +381,19 @@ def test_a_prompt_given_many_times_has_its_ids_checked_once():
         generate.check_request([[1, 2]] * 3 + [[1, 10]], 4, vocab_size=10)  # every distinct one is still checked
 
 
+def test_the_stats_line_says_what_setup_timed_and_when_the_budget_held_everything(checkpoints, capsys):
+    """Under --no-compile nothing compiles, so the setup time is not called compile; a budget longer than every
+    sequence evicts nothing, and the line says so instead of comparing with a full cache."""
+    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 64,
+                         "--max-new-tokens", 4)
+    assert code == 0 and ", setup " in out and "compile" not in out, err
+    longest = int(re.search(r"prompt (\d+) tok", out)[1]) + 4  # the chat template's prompt and 4 new tokens
+    assert f"(the budget holds every token: the longest sequence has {longest}, none was evicted)" in out
+    model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    _, stats = Engine(model).generate([tok.encode("Hi")], 4, [])  # compiled
+    assert ", compile " in stats.line()
+
+
 def test_a_bad_sampling_flag_is_refused_before_the_model_loads(checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
     code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--top-p", "1.5")
