@@ -49,9 +49,13 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    if not text.isdigit():
+    try:
+        value = int(text)
+    except ValueError:  # argparse would name this function in its message
+        value = -1
+    if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return int(text)
+    return value
 
 
 def batch_size(text: str):

@@ -338,6 +338,9 @@ def resolve(name: str) -> str:
     name = os.path.expanduser(name)  # `--model=~/dir`: the shell leaves that tilde alone
     if os.path.isdir(name):
         return name
+    if os.path.exists(name):
+        raise ValueError(f"{name} is a file, not a model folder: give the folder that holds config.json, "
+                         f"*.safetensors and tokenizer.json")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise FileNotFoundError(f"model path {name!r} does not exist (give a local folder or a Hub id "
                                 f"like Qwen/Qwen3-8B)")
@@ -407,6 +410,7 @@ def load_weights(model: Transformer, folder: str, device, dtype):
                         raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
                                          f"parameter (or it appeared twice)")
                     t = read_part(f, name, params[name].shape, model)
+                    check_floating(name, file, t)
                     if t.shape != params[name].shape:
                         raise ValueError(f"weight {name!r} has shape {list(t.shape)}, the config implies "
                                          f"{list(params[name].shape)}")
@@ -454,6 +458,13 @@ def read_part(f, name: str, shape, model: Transformer) -> torch.Tensor:
     part = model.tp.part(units)
     at = slice(part.start * size, part.stop * size)
     return stored[at] if dim == 0 else stored[:, at]
+
+
+def check_floating(name: str, file: str, stored: torch.Tensor):
+    """Integers would be converted to the model's dtype as numbers and generate nonsense: refuse them."""
+    if not stored.dtype.is_floating_point:
+        raise ValueError(f"weight {name!r} of {file} is stored as {stored.dtype}: tinyflow loads floating-point "
+                         f"weights, not quantized ones; dequantize the checkpoint first")
 
 
 def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tensor):
@@ -509,6 +520,7 @@ class Tokenizer:
         gen = generation_defaults(gen, os.path.join(folder, "generation_config.json"))
         eos = gen.get("eos_token_id", cfg.eos_token_id)
         self.eos_ids = eos if isinstance(eos, list) else [eos]
+        check_vocab(self, cfg, "generation_config.json" if "eos_token_id" in gen else "config.json")
         # sampling as transformers samples: its defaults (temperature 1, top-k 50, top-p 1) for what the file
         # leaves out; without do_sample, greedy
         self.defaults = {k: gen.get(k, default) for k, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 50))}
@@ -562,6 +574,21 @@ class Tokenizer:
                              f"or tokenizer_config.json's chat_template, or give plain text") from None
 
 
+def check_vocab(tok: Tokenizer, cfg: Config, eos_source: str):
+    """Token ids the model has no embedding for are refused at load, not when a prompt or EOS first holds
+    one. eos_source: the file tok.eos_ids come from."""
+    # the highest id: the model's own ids count up from 0, added tokens take theirs (a dict of the whole
+    # vocabulary would cost a tenth of a second)
+    top = max([tok.tok.get_vocab_size(with_added_tokens=False) - 1, *tok.tok.get_added_tokens_decoder()])
+    if top >= cfg.vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {top} but the model's vocab_size is {cfg.vocab_size}: "
+                         f"tokenizer.json is not this model's; use the one that came with its weights")
+    for e in tok.eos_ids:
+        if not 0 <= e < cfg.vocab_size:
+            raise ValueError(f"eos_token_id {e} ({eos_source}) is outside the model's vocabulary of "
+                             f"{cfg.vocab_size} ids; fix it in {eos_source}")
+
+
 def generation_defaults(gen: dict, path: str) -> dict:
     """generation_config.json's settings that tinyflow reads, checked; null means not set (as transformers
     reads it)."""
@@ -581,6 +608,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def load(name: str, device, dtype, tp: Group = SINGLE) -> tuple[Transformer, Tokenizer]:
     """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer."""
     folder = resolve(name)
-    model = empty_model(Config.from_dict(read_json(folder, "config.json")), device, dtype, tp)
+    cfg = Config.from_dict(read_json(folder, "config.json"))
+    tokenizer = Tokenizer(folder, cfg)  # first: a tokenizer the model cannot use is refused before the weights load
+    model = empty_model(cfg, device, dtype, tp)
     load_weights(model, folder, device, dtype)
-    return model, Tokenizer(folder, model.cfg)
+    return model, tokenizer

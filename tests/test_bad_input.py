@@ -127,6 +127,40 @@ def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, t
     one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--chat", "--no-compile")[::2], "drop --chat")
 
 
+def test_a_model_path_that_is_a_file_says_it_is_a_file_not_a_model_folder(checkpoints, capsys):
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen2"] / "config.json", "--prompt", "Hi")[::2],
+                   "config.json is a file, not a model folder: give the folder that holds config.json")
+
+
+def add_tokens(folder, n):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens([f"<extra_{i}>" for i in range(n)])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def store_as_int(folder, name):
+    weights = load_file(folder / "model.safetensors")
+    weights[name] = weights[name].to(torch.int32)
+    save_file(weights, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: add_tokens(f, 30), "the tokenizer has ids up to 329 but the model's vocab_size is 320"),
+    (lambda f: edit_json(f, "generation_config.json", update(eos_token_id=[7, 320])),
+     "eos_token_id 320 (generation_config.json) is outside the model's vocabulary of 320 ids"),
+    (lambda f: store_as_int(f, "model.layers.0.self_attn.q_proj.weight"),
+     "weight 'model.layers.0.self_attn.q_proj.weight' of model.safetensors is stored as torch.int32"),
+], ids=["tokenizer", "eos", "int-weight"])
+def test_a_tokenizer_eos_id_or_weight_the_model_cannot_use_is_refused_at_load(checkpoints, tmp_path, capsys,
+                                                                              damage, message):
+    """Each loaded and generated before, so a prompt with a high id failed only later (or never)."""
+    folder = copy_of(checkpoints, tmp_path)
+    damage(folder)
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "2", "--no-compile")[::2],
+                   message)
+
+
 # ---- the command line ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (["--policy", "tova"], "--policy only applies to a cache with a budget: add --budget N"),
@@ -143,6 +177,7 @@ def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, t
     (["--prompt", "caf\udcff"], "the text is not valid Unicode (it holds a lone surrogate"),
     (["--max-new-tokens", "600"], "positions, past the model's max_position_embeddings 512"),
     (["--sinks", "-1", "--budget", "64"], "expected a non-negative integer"),
+    (["--sinks", "\u00b2", "--budget", "64"], "--sinks: expected a non-negative integer, got '\u00b2'"),  # a digit to isdigit
 ])
 def test_settings_that_would_be_ignored_or_overflow_are_refused(checkpoints, capsys, args, message):
     one_line_error(*cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", *args)[::2],
