@@ -563,15 +563,52 @@ class Tokenizer:
         # as transformers provides them: JSON without HTML escaping (tool schemas), and today's date (Llama 3.2)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        messages = template_messages(messages)
         try:
             return env.from_string(self.template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
                 **self.special)
         except ValueError:  # raise_exception's, already a clear message
             raise
-        except Exception as e:  # the template is a program from the checkpoint: any error is the template's
-            raise ValueError(f"the model's chat template fails ({type(e).__name__}: {e}); fix chat_template.jinja "
-                             f"or tokenizer_config.json's chat_template, or give plain text") from None
+        except Exception as e:  # the template is a program from the checkpoint: any other error is the template's
+            raise template_failure(e, messages) from None
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as a chat template reads them, checked field by field (a bad one is named, not blamed on
+    the template): a string role, and a content that is a string or OpenAI content parts of type text (joined,
+    as server.py joins them); only an assistant's may be missing or null (a turn that only calls tools). Keys
+    set to null are left out, as transformers leaves them out."""
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} has no 'role' (a string: system, user, assistant, ...)")
+        m = {k: v for k, v in m.items() if v is not None}
+        content, who = m.get("content"), f"message {i} ({m['role']})"
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f'{who}: content parts must be {{"type": "text", "text": ...}}: this model reads '
+                                 f'text only')
+            m["content"] = "".join(p["text"] for p in content)
+        elif content is None and m["role"] != "assistant":
+            raise ValueError(f"{who} has no 'content': give its text as a string")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"{who}: 'content' must be a string or a list of text parts, got "
+                             f"{type(content).__name__}")
+        checked.append(m)
+    return checked
+
+
+def template_failure(e: Exception, messages: list[dict]) -> ValueError:
+    """What a failed chat template says: a message without the content the template reads is named (an
+    assistant turn may have none); any other error is the template's own."""
+    bare = [i for i, m in enumerate(messages) if "content" not in m]
+    if isinstance(e, jinja2.UndefinedError) and "'content'" in str(e) and bare:
+        return ValueError(f"message {bare[0]} ({messages[bare[0]]['role']}) has no content, which this model's "
+                          f"chat template needs: give it one (\"\" for none)")
+    return ValueError(f"the model's chat template fails ({type(e).__name__}: {e}); fix chat_template.jinja or "
+                      f"tokenizer_config.json's chat_template, or give plain text")
 
 
 def check_vocab(tok: Tokenizer, cfg: Config, eos_source: str):

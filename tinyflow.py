@@ -124,7 +124,8 @@ class LLM:
 
     def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
         """conversations: a list of conversations, each a list of {"role", "content"} messages (one
-        conversation alone is accepted too). Rendered with the model's own chat template."""
+        conversation alone is accepted too); a content may be OpenAI's text parts ([{"type": "text", "text":
+        ...}], joined), an assistant's null. Rendered with the model's own chat template."""
         if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not all(map(is_conversation, conversations)):
@@ -145,7 +146,6 @@ def token_ids(ids, what: str) -> list[int]:
 
 
 def is_conversation(messages) -> bool:
-    """A list of messages, each with a role; what else a message holds (text, tool calls, parts) is the
-    chat template's to read."""
-    return isinstance(messages, (list, tuple)) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                       for m in messages)
+    """A list of messages (dicts); their fields are checked as the chat template gets them
+    (model.template_messages, which names a bad one)."""
+    return isinstance(messages, (list, tuple)) and all(isinstance(m, dict) for m in messages)

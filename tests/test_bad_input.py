@@ -121,6 +121,39 @@ def test_a_broken_chat_template_is_one_clear_line(checkpoints, tmp_path, capsys,
     assert llm.generate(["Hi"], max_new_tokens=2) == want
 
 
+@pytest.mark.parametrize("message, error", [
+    ({"role": "user"}, "message 0 (user) has no 'content': give its text as a string"),
+    ({"role": "user", "content": None}, "message 0 (user) has no 'content': give its text as a string"),
+    ({"role": "user", "content": 5}, "message 0 (user): 'content' must be a string or a list of text parts, got int"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+     "message 0 (user): content parts must be {\"type\": \"text\", \"text\": ...}: this model reads text only"),
+    ({"content": "Hi"}, "message 0 has no 'role' (a string: system, user, assistant, ...)"),
+])
+def test_a_malformed_chat_message_names_its_field_not_the_template(checkpoints, message, error):
+    _, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError) as refused:
+        tok.render([message])
+    assert str(refused.value) == error
+
+
+def test_a_template_that_needs_a_missing_content_names_the_message(checkpoints, tmp_path):
+    """SmolLM2's template adds each message's content to a string: an assistant turn with content null (which
+    OpenAI's API and the server admit, for a turn that only calls tools) cannot be rendered by it. The message
+    says which one, instead of blaming the template."""
+    folder = copy_of(checkpoints, tmp_path, "qwen3")
+    edit_json(folder, "tokenizer_config.json",
+              update(chat_template="{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% endfor %}"))
+    llm = tinyflow.LLM(str(folder), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=r"^message 1 \(assistant\) has no content, which this model's chat "
+                                         r"template needs: give it one \(\"\" for none\)$"):
+        llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}])
+    with pytest.raises(ValueError, match=r"^message 0 has no 'role'"):
+        llm.chat([{"content": "Hi"}])
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]  # as the server takes them
+    assert llm.chat([{"role": "user", "content": parts}], max_new_tokens=3) == \
+        llm.chat([{"role": "user", "content": "Hi there"}], max_new_tokens=3)
+
+
 def test_chat_asked_of_a_model_without_a_template_says_to_drop_it(checkpoints, tmp_path, capsys):
     folder = copy_of(checkpoints, tmp_path)
     edit_json(folder, "tokenizer_config.json", lambda c: {k: v for k, v in c.items() if k != "chat_template"})

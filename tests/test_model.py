@@ -117,16 +117,21 @@ def test_chat_template_renders_with_thinking_switch(checkpoints):
     assert tok.eos_ids == [tok.tok.token_to_id("<|im_end|>")]
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: model.Tokenizer.render writes a message's content None as "
-                                      "the text 'None'; transformers renders it empty (an OpenAI assistant turn "
-                                      "that only calls tools has content null)")
 def test_a_message_without_content_renders_as_transformers_renders_it(checkpoints):
+    """An OpenAI assistant turn that only calls tools has content null: the key is left out, as transformers
+    leaves it out (the template then renders nothing for it, not the text 'None')."""
     _, tok = ours(checkpoints["qwen3"])
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
     want = transformers.AutoTokenizer.from_pretrained(checkpoints["qwen3"]).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
     assert want == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n"
     assert tok.render(messages) == want
+
+
+def test_openai_text_content_parts_render_as_their_joined_text(checkpoints):
+    _, tok = ours(checkpoints["qwen3"])
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]
+    assert tok.render([{"role": "user", "content": parts}]) == tok.render([{"role": "user", "content": "Hi there"}])
 
 
 def test_chat_template_has_the_helpers_transformers_gives_templates(checkpoints):
