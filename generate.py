@@ -191,19 +191,7 @@ class Engine:
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
-        if self.device.type == "cuda" and not kernel.HAS_TRITON:
-            raise ValueError("decoding on CUDA runs Triton kernels and Triton is not installed: pip install triton "
-                             "(on Windows: triton-windows), or run on the CPU")
-        head_dim = model.cfg.head_dim
-        if self.device.type == "cuda" and head_dim & (head_dim - 1):  # tl.arange over the head needs a power of 2
-            raise ValueError(f"the decode kernel needs a head_dim that is a power of two, and this model's is "
-                             f"{head_dim}: run it on the CPU (--device cpu), which decodes without the kernel")
-        if self.device.type == "cuda" and kv_dtype == kernel.FP8:
-            capability = torch.cuda.get_device_capability(self.device)
-            if capability < (8, 9):  # Triton's float8 e4m3 starts with Ada and Hopper
-                raise ValueError(f"an FP8 KV cache needs compute capability 8.9 or newer (Ada, Hopper); "
-                                 f"{torch.cuda.get_device_name(self.device)} is {capability[0]}.{capability[1]}: "
-                                 f"use --kv-dtype auto")
+        kernel.check_support(self.device, model.cfg.head_dim, kv_dtype)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  budget: int | None = None, policy: str | Policy | None = None,

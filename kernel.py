@@ -170,16 +170,37 @@ def _attend_kernel(
     ks_ptr += b * ss_b + kvh * ss_h
     vs_ptr += b * ss_b + kvh * ss_h
 
-    m = tl.full([G_PAD], NEG_BIG, tl.float32)  # running max, sum and output of the online softmax
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    newest = tl.full([BLOCK_S], -1, tl.int32)
+    top = 1.0  # with FP8: the largest value scale of the row (the weights are divided by it, below)
     if FP8_KV:
         top = tl.maximum(tl.load(vtop_ptr + b * H_KV + kvh), 1e-30)
     end = tl.minimum(split * chunk + chunk, S)
     if HAS_LIMIT:  # a cache that fills in order: the slots past the last token cost nothing
         end = tl.minimum(end, tl.load(limit_ptr + b * H_KV + kvh))
-    for start in range(split * chunk, end, BLOCK_S):
+    m, l, acc, newest = _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, vnorm_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads,
+                                      row_ok, dims, split * chunk, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, sn_s, ss_s,
+                                      G_PAD, D, BLOCK_S, SCALE, SELECT, VALUE_NORM, FP8_KV, FP16_PRODUCTS)
+    if FP8_KV:
+        acc *= top
+    tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
+    if SELECT:
+        tl.store(newest_ptr + (b * H_KV + kvh) * n_split + split, tl.max(newest, axis=0))
+    _store_attention(acc, m, l, out_ptr, m_ptr, l_ptr, o_ptr, heads, row_ok, dims, split, n_split, D, SPLIT,
+                     SELECT)
+
+
+@triton.jit
+def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, vnorm_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok, dims,
+                  first, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, sn_s, ss_s,
+                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, SCALE: tl.constexpr,
+                  SELECT: tl.constexpr, VALUE_NORM: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
+    """The online softmax of the group's queries q_in [G_PAD, D] over slots first .. end - 1, BLOCK_S at a
+    time: returns its max and sum [G_PAD], the unnormalised output [G_PAD, D], and the newest position
+    seen [BLOCK_S]. When selecting, each block's logits are stored on the way (for the score pass)."""
+    m = tl.full([G_PAD], NEG_BIG, tl.float32)  # running max, sum and output of the online softmax
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    newest = tl.full([BLOCK_S], -1, tl.int32)
+    for start in range(first, end, BLOCK_S):
         slots = start + tl.arange(0, BLOCK_S)
         in_range = slots < end
         p = tl.load(pos_ptr + slots * sp_s, mask=in_range, other=-1).to(tl.int32)  # [BLOCK_S]
@@ -205,14 +226,7 @@ def _attend_kernel(
             e = e * (v_scale / top)[None, :]
         acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
-
-    if FP8_KV:
-        acc *= top
-    tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
-    if SELECT:
-        tl.store(newest_ptr + (b * H_KV + kvh) * n_split + split, tl.max(newest, axis=0))
-    _store_attention(acc, m, l, out_ptr, m_ptr, l_ptr, o_ptr, heads, row_ok, dims, split, n_split, D, SPLIT,
-                     SELECT)
+    return m, l, acc, newest
 
 
 @triton.jit
@@ -445,6 +459,24 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     if partial:
         return out, part
     return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
+
+
+def check_support(device: torch.device, head_dim: int, kv_dtype=None):
+    """Refuse, before anything is allocated, a decode these kernels cannot run on CUDA (the CPU decodes
+    through decode_attention_ref instead)."""
+    if device.type != "cuda":
+        return
+    if not HAS_TRITON:
+        raise ValueError("decoding on CUDA runs Triton kernels and Triton is not installed: pip install triton "
+                         "(on Windows: triton-windows), or run on the CPU")
+    if head_dim & (head_dim - 1):  # tl.arange over the head needs a power of 2
+        raise ValueError(f"the decode kernel needs a head_dim that is a power of two, and this model's is "
+                         f"{head_dim}: run it on the CPU (--device cpu), which decodes without the kernel")
+    capability = torch.cuda.get_device_capability(device)
+    if kv_dtype == FP8 and capability < (8, 9):  # Triton's float8 e4m3 starts with Ada and Hopper
+        raise ValueError(f"an FP8 KV cache needs compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: "
+                         f"use --kv-dtype auto")
 
 
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,

@@ -487,3 +487,18 @@ def test_fp8_kernel_with_bf16_queries_matches_reference_within_tolerance(B, S):
     score = (logits.softmax(-1) * values.abs().sum(-1)[:, :, None]).mean((1, 2))  # [B, S]
     chosen = score.gather(-1, evict[:, :1])[:, 0]
     assert (chosen <= score.amin(-1) * 1.02 + 1e-6).all()
+
+
+def test_what_the_kernels_cannot_run_is_refused_before_decoding(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    with pytest.raises(ValueError, match="needs a head_dim that is a power of two, and this model's is 96"):
+        kernel.check_support(cuda, 96)
+    with pytest.raises(ValueError, match="FP8 KV cache needs compute capability 8.9 or newer .* A100 is 8.0"):
+        kernel.check_support(cuda, 128, kernel.FP8)
+    kernel.check_support(cuda, 128)  # bf16 on an A100: fine
+    kernel.check_support(torch.device("cpu"), 96, kernel.FP8)  # the CPU decodes without the kernels
+    monkeypatch.setattr(kernel, "HAS_TRITON", False)
+    with pytest.raises(ValueError, match="Triton is not installed: pip install triton"):
+        kernel.check_support(cuda, 128)
