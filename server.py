@@ -318,6 +318,16 @@ def check_unsupported(body: dict, known: set):
             raise ApiError(400, f"'{name}' is not supported by this server (no tools or structured output)", name)
 
 
+# A decode step reads every slot of every row, busy or not: on a CPU, which reads some GB/s, 8 rows of
+# SmolLM2's 8,192 full-cache slots took 23 s for an 8-token reply (a loaded 2-core machine), 2 rows 5 s.
+CPU_SLOTS = 16384
+
+
+def cpu_rows(slots: int) -> int:
+    """The CPU's default rows: as many as hold CPU_SLOTS slots in all (a budget of 512: 8), at least one."""
+    return max(1, min(8, CPU_SLOTS // slots))
+
+
 class Server:
     """The model, its engine thread, and the HTTP handlers."""
 
@@ -329,8 +339,8 @@ class Server:
         cfg = llm_model.cfg
         self.context = args.max_model_len or cfg.max_position_embeddings or 32768
         self.slots = args.budget or self.context  # the full policy: room for the longest request
-        self.rows = pick_batch(engine, args.max_batch or (None if engine.device.type == "cuda" else 8),
-                                args.max_batch or 2**20, self.slots, self.context)
+        asked = args.max_batch or (None if engine.device.type == "cuda" else cpu_rows(self.slots))
+        self.rows = pick_batch(engine, asked, args.max_batch or 2**20, self.slots, self.context)
         self.feed = Feed(args.max_waiting)
         vocab = tokenizer.tok.get_vocab()
         ends = vocab.get("<think>"), vocab.get("</think>")
@@ -644,7 +654,8 @@ def parse_args(argv=None):
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     add_cache_options(p)
     p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="rows decoded together (default: as many as fit in GPU memory; 8 on the CPU)")
+                   help="rows decoded together (default: as many as fit in GPU memory; on the CPU as many "
+                        f"(1 to 8) as hold {CPU_SLOTS:,} KV slots in all)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompt + output tokens per request at most (default: the model's "
                         "max_position_embeddings); with the full policy, also each row's KV slots")

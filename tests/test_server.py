@@ -157,6 +157,21 @@ def test_an_fp8_server_answers_what_an_fp8_llm_generate_gives_alone(model_dir):
         assert fp8.stop() == 0
 
 
+def test_on_the_cpu_the_default_rows_hold_16384_slots_in_all_so_a_reply_takes_seconds(model_dir, capsys):
+    """A decode step reads every slot of every row, busy or not: 8 rows of SmolLM2's 8,192 full-cache slots
+    took 23 s for an 8-token reply on a loaded 2-core CPU, 2 rows 5 s. So without --max-batch a CPU server
+    decodes as many rows (1 to 8) as hold 16,384 slots in all; --max-batch is taken as given."""
+    rows = lambda *extra: srv.build(srv.parse_args(["--model", str(model_dir), "--device", "cpu", "--no-compile",
+                                                    *extra])).rows
+    assert rows("--max-model-len", "8192", "--allow-long-context") == 2  # the full cache: a row per request
+    assert rows("--max-model-len", "100000", "--allow-long-context") == 1
+    assert rows("--budget", "64") == 8  # the tiny model's 512 positions, 64 slots a row
+    assert rows("--max-model-len", "8192", "--allow-long-context", "--max-batch", "8") == 8
+    with pytest.raises(SystemExit):
+        srv.parse_args(["--help"])
+    assert "on the CPU as many (1 to 8) as hold 16,384 KV slots in all" in " ".join(capsys.readouterr().out.split())
+
+
 def wait_until_idle(server, seconds=120.0):
     deadline = time.time() + seconds
     while server.active() and time.time() < deadline:
