@@ -28,8 +28,8 @@ from cache import KV_DTYPES
 from policies import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
 from generate import Engine, Interrupted, Stats, pick_device  # noqa: E402
 from sampling import Sampling  # noqa: E402
-from model import load  # noqa: E402
-from parallel import join  # noqa: E402
+from model import DTYPES, load  # noqa: E402
+from parallel import join, launched  # noqa: E402
 
 
 @dataclass
@@ -63,8 +63,8 @@ class LLM:
         Under torchrun (several processes) the model is split over them (tensor parallel, parallel.py): every
         process makes the same calls and gets the same outputs. data_parallel: under torchrun, a whole model
         in each process instead, on its own GPU; each process then generates for its own prompts."""
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        check_llm_args(model, dtype, kv_dtype, compile=compile, allow_long_context=allow_long_context,
+                       data_parallel=data_parallel)
         self.set_policy(budget, policy, sinks, window, prompt_compression)
         self.device, self.dtype = pick_device(device, dtype)
         tp, self.device = join(self.device, data_parallel)
@@ -92,6 +92,9 @@ class LLM:
         ignore_eos: generate max_new_tokens tokens whatever they are. on_output(i, Output) is called as
         soon as prompt i is finished (outputs come back in prompt order at the end too). Ctrl-C raises
         generate.Interrupted, a KeyboardInterrupt holding the ids generated so far; self.stats counts them."""
+        check_flags(ignore_eos=ignore_eos)
+        if on_output is not None and not callable(on_output):  # it would fail only once the first prompt is done
+            raise TypeError(f"on_output must be a function of (i, Output), got {type(on_output).__name__}")
         ids = self._ids(prompts, "prompts")
         eos = [] if ignore_eos else self.tokenizer.eos_ids
         on_done = (lambda i, o: on_output(i, Output(list(o), self.tokenizer.decode(o)))) if on_output else None
@@ -133,6 +136,30 @@ class LLM:
                             "lists; for plain text use generate")
         ids = [self.tokenizer.chat(c, enable_thinking) for c in conversations]
         return self.generate(ids, **kwargs)
+
+
+def check_llm_args(model, dtype, kv_dtype, **flags):
+    """LLM()'s arguments that would otherwise fail deep inside loading, or be taken for what they are not
+    (compile="no" is true), before anything loads; the policy's are resolve_policy's, the device's
+    pick_device's."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a Hugging Face id or a folder path, not {type(model).__name__}")
+    if not (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES):
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if dtype is not None and not (isinstance(dtype, str) and dtype in DTYPES or dtype in DTYPES.values()):
+        *others, last = DTYPES
+        raise ValueError(f"dtype must be {', '.join(others)} or {last} (a name or a torch.dtype), got {dtype!r}")
+    check_flags(**flags)
+    if flags["data_parallel"] and not launched():  # as the command lines' --dp
+        raise ValueError("data_parallel=True shares the prompts out among torchrun's processes: start under "
+                         "torchrun --nproc-per-node N, or drop it")
+
+
+def check_flags(**flags):
+    """Flags are bools: a string or a number would count as true or false unseen."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def token_ids(ids, what: str) -> list[int]:

@@ -318,6 +318,42 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
     assert llm.chat(messages, max_new_tokens=2) == llm.generate([llm.tokenizer.chat(messages)], max_new_tokens=2)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(model=None), TypeError, "model must be a Hugging Face id or a folder path, not NoneType"),
+    (dict(kv_dtype=["fp8"]), ValueError, "kv_dtype must be one of auto, fp8, got ['fp8']"),
+    (dict(dtype=torch.int8), ValueError, "dtype must be bfloat16, float16 or float32 (a name or a torch.dtype), "
+                                         "got torch.int8"),
+    (dict(dtype=torch.float64), ValueError, "dtype must be bfloat16, float16 or float32 (a name or a torch.dtype), "
+                                            "got torch.float64"),  # as the command line's --dtype
+    (dict(compile="no"), TypeError, "compile must be True or False, got 'no'"),
+    (dict(allow_long_context=1), TypeError, "allow_long_context must be True or False, got 1"),
+    (dict(data_parallel=True), ValueError, "data_parallel=True shares the prompts out among torchrun's processes: "
+                                           "start under torchrun --nproc-per-node N, or drop it"),  # as --dp
+])
+def test_llm_arguments_of_the_wrong_kind_are_refused_before_the_model_loads(checkpoints, monkeypatch, kwargs, error,
+                                                                           message):
+    monkeypatch.setattr(tinyflow, "load", lambda *args: pytest.fail("the model was loaded"))
+    model = kwargs.pop("model", str(checkpoints["qwen3"]))
+    with pytest.raises(error) as refused:
+        tinyflow.LLM(model, device="cpu", **kwargs)
+    assert str(refused.value) == message
+
+
+def test_generate_refuses_a_flag_that_is_not_a_bool_or_an_on_output_it_cannot_call_before_generating(checkpoints,
+                                                                                                     monkeypatch):
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine, "generate", lambda *args, **kwargs: pytest.fail("it generated"))
+        with pytest.raises(TypeError, match=r"^ignore_eos must be True or False, got 'yes'$"):
+            llm.generate(["Hi"], ignore_eos="yes")
+        with pytest.raises(TypeError, match=r"^on_output must be a function of \(i, Output\), got int$"):
+            llm.generate(["Hi"], on_output=5)
+    # numpy numbers are taken as Python's: floats as integers are
+    llm.set_policy(np.int64(40))
+    sampled = llm.generate(["Hi"], 3, temperature=np.float32(1.0), top_p=np.float32(0.5), seed=1, ignore_eos=True)
+    assert sampled == llm.generate(["Hi"], 3, temperature=1.0, top_p=0.5, seed=1, ignore_eos=True)
+
+
 def test_api_policy_and_budget_must_go_together(checkpoints):
     llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)  # no budget: the full cache
     assert llm.policy.name == "full"
