@@ -65,7 +65,9 @@ def batch_size(text: str):
 def add_cache_options(p: Parser):
     """The model, cache and device options that generate.py and server.py share."""
     p.add_argument("--budget", type=positive_int, default=None,
-                   help="KV slots per sequence and layer (default: keep every token)")
+                   help="KV slots per sequence and layer (default: keep every token); at least 33 slots (53 for "
+                        "vatp, 37 for streaming, more with a larger --sinks or --window): the sinks, the last 32 "
+                        "prompt tokens or the recent window, and the new token")
     p.add_argument("--policy", default=None, choices=list(POLICIES), metavar="POLICY",
                    help=f"the eviction rule, one of {', '.join(POLICIES)} (default: longflow with --budget, "
                         f"full without)")

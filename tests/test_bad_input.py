@@ -16,7 +16,7 @@ import generate
 import memory
 import tinyflow
 from cache import KVCache
-from policies import POLICIES
+from policies import POLICIES, resolve_policy
 from generate import Engine
 from model import load
 from test_generate import ROOT, cli  # the command line run in-process: (exit code, stdout, stderr)
@@ -243,6 +243,28 @@ def test_help_shows_the_defaults(capsys, monkeypatch):
             main()
         out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
         assert stop.value.code == 0 and all(d in out for d in defaults), out
+
+
+def smallest_budget(name: str) -> int:
+    """The smallest budget resolve_policy accepts for the policy with its own sinks and window."""
+    def accepted(budget):
+        try:
+            return bool(resolve_policy(name, budget))
+        except ValueError:
+            return False
+    return next(b for b in range(1, 1000) if accepted(b))
+
+
+def test_the_smallest_budget_of_each_policy_is_in_help_and_the_readme(capsys):
+    smallest = {name: smallest_budget(name) for name, p in POLICIES.items() if p.evicts}
+    usual = max(set(smallest.values()), key=list(smallest.values()).count)
+    others = ", ".join(f"{n} for {name}" for name, n in smallest.items() if n != usual)
+    said = f"at least {usual} slots ({others}"
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    for text in (capsys.readouterr().out, readme):
+        assert said in " ".join(text.split()), said  # argparse and the README wrap lines
 
 
 def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoints, tmp_path, capsys):
