@@ -247,8 +247,7 @@ def test_refilled_rows_give_each_prompt_the_tokens_it_gets_alone(checkpoints, bu
     texts = ["Hello world", "The quick brown fox", "2 + 3", "Please reason", "lazy dog", "What is"]
     prompts = [tok.encode(t) for t in texts]
     engine = Engine(model, compile=False, sync_every=4)
-    free_run = [engine.generate([p], 30, [], budget)[0][0] for p in prompts]
-    eos = [free_run[0][5]]  # a token that ends some sequences early, at different steps
+    eos = [engine.generate(prompts[:1], 30, [], budget)[0][0][5]]  # a token that ends some sequences early
     alone = [engine.generate([p], 30, eos, budget)[0][0] for p in prompts]
     assert len({len(a) for a in alone}) > 1  # the test needs sequences that end at different times
     batched, stats = engine.generate(prompts, 30, eos, budget, batch_size=2)
