@@ -35,7 +35,7 @@ class Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
     def error(self, message):  # one line instead of argparse's usage block; under torchrun, rank 0's alone
-        self.exit(2, f"error: {message} (see --help)\n" if int(os.environ.get("RANK", "0")) == 0 else None)
+        self.exit(2, f"error: {message} (see --help)\n" if parallel.rank() == 0 else None)
 
 
 def positive_int(text: str) -> int:

@@ -438,9 +438,13 @@ def test_ctrl_c_while_torch_still_imports_is_one_line(script):
     assert (p.returncode, err, out) == (130, "interrupted\n", "")
 
 
-@pytest.mark.parametrize("rank, says", [("0", "error: argument --max-new-tokens: expected a positive integer"), ("1", "")])
-def test_under_torchrun_an_argparse_error_is_printed_by_rank_0_alone(checkpoints, capsys, monkeypatch, rank, says):
-    """Every rank parses the same command line: rank 0 says what is wrong, the others exit as quietly."""
+@pytest.mark.parametrize("rank, world, printed", [("0", "2", True), ("1", "2", False), ("1", "1", True)])
+def test_under_torchrun_an_argparse_error_is_printed_by_rank_0_alone(checkpoints, capsys, monkeypatch, rank, world,
+                                                                     printed):
+    """Every rank parses the same command line: rank 0 says what is wrong, the others exit as quietly; a RANK
+    left in the environment without torchrun's WORLD_SIZE is no rank."""
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
     code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--max-new-tokens", "0")
-    assert code == 2 and err.startswith(says) and err.count("\n") == (rank == "0"), err
+    says = "error: argument --max-new-tokens: expected a positive integer" if printed else ""
+    assert code == 2 and err.startswith(says) and err.count("\n") == printed, err

@@ -24,7 +24,8 @@ RUNS = [("longflow", "snapkv"), ("longflow", "decode"), ("longflow-head", "snapk
         ("random", "decode")]
 # what splitting the heads could change is in the policy, not the architecture: the first checkpoint (Qwen3,
 # GQA) runs every policy, the others one of each kind (the kernel's per layer and per head, accumulated, keys)
-FEW_RUNS = [("longflow", "snapkv"), ("longflow-head", "snapkv"), ("h2o", "snapkv"), ("keydiff", "decode")]
+FEW_RUNS = [("longflow", "snapkv"), ("longflow-head", "snapkv"), ("h2o", "snapkv"), ("keydiff", "decode"),
+            ("random", "decode")]  # random: it numbers the KV heads across ranks, which Qwen2's 2 per rank can show
 BUDGET, NEW_TOKENS = 64, 24  # prompts of 90-100 tokens: compressed, then evicting at every step
 
 
