@@ -36,7 +36,7 @@ from memory import pick_batch
 from sampling import SAMPLING_RANGES, BadSetting, Sampling
 from cli import Parser, add_cache_options, check_policy_args, positive_int, say
 import parallel
-from model import load
+from model import load, template_messages
 
 try:
     import uvicorn
@@ -318,8 +318,8 @@ def check_unsupported(body: dict, known: set):
             raise ApiError(400, f"'{name}' is not supported by this server (no tools or structured output)", name)
 
 
-# A decode step reads every slot of every row, busy or not: on a CPU, which reads some GB/s, 8 rows of
-# SmolLM2's 8,192 full-cache slots took 23 s for an 8-token reply (a loaded 2-core machine), 2 rows 5 s.
+# A decode step reads every slot of every row, busy or not, and a CPU reads some GB/s: its default rows hold
+# this many slots in all (measured: docs/usage.md, "The server in detail")
 CPU_SLOTS = 16384
 
 
@@ -447,18 +447,10 @@ class Server:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, "each message must be an object with a string 'role'", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI's content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ApiError(400, "message content parts must be {\"type\": \"text\", \"text\": ...}: this "
-                                        "model reads text only", "messages")
-                m["content"] = "".join(p["text"] for p in content)
-            elif not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
-                raise ApiError(400, "each message's 'content' must be a string", "messages")
+        try:  # each message checked field by field, content parts joined: as LLM.chat does
+            messages = template_messages(messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
         kwargs = take(body, "chat_template_kwargs", lambda x: isinstance(x, dict) and set(x) <= {"enable_thinking"}
                       and isinstance(x.get("enable_thinking", True), bool),
                       'an object {"enable_thinking": bool} (the only template option this server passes)', {})
