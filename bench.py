@@ -829,6 +829,8 @@ def check_writable(option: str, path: str):
         raise ValueError(f"{option} {path} is a folder; give a file name")
     if not os.path.isdir(folder):
         raise ValueError(f"{option} {path}: folder {folder} does not exist; create it or give another path")
+    if parallel.rank() > 0:  # rank 0 alone writes it, so it alone tries: two ranks trying race on the file
+        return
     existed = os.path.exists(path)
     try:
         open(path, "a").close()  # "a": an existing file keeps its content until the run writes it

@@ -160,6 +160,20 @@ def test_bench_refuses_bad_input_in_one_line_before_running(tmp_path, monkeypatc
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
 
 
+def test_under_torchrun_rank_0_alone_tries_to_create_the_output_files(tmp_path, monkeypatch):
+    """Rank 0 alone writes --json and --plot, so it alone creates and removes a trial file: two ranks doing so
+    raced (one removed the file the other had just made, and its os.remove failed)."""
+    import bench as bench_module
+    import parallel
+    monkeypatch.setattr(parallel, "rank", lambda: 1)
+    bench_module.check_writable("--json", "/proc/tinyflow-rows.json")  # rank 0 says it cannot be written
+    (tmp_path / "rows.json").write_text("kept")
+    monkeypatch.setattr(bench_module, "open", lambda *a: pytest.fail("rank 1 opened the file"), raising=False)
+    bench_module.check_writable("--json", str(tmp_path / "rows.json"))
+    with pytest.raises(ValueError, match="does not exist"):  # what needs no trial is still checked on every rank
+        bench_module.check_writable("--json", str(tmp_path / "missing" / "rows.json"))
+
+
 @pytest.mark.parametrize("argv, message", [(f"{SMALL} --policy foo", "invalid choice: 'foo'"),  # argparse's
                                            (f"{SMALL} --budget 10", "budget 10 is too small")],  # bench's own
                          ids=["argparse", "check_args"])
