@@ -315,6 +315,7 @@ FRONTEND = textwrap.dedent("""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
+    torch.cuda.is_available = lambda: True  # kernel registers its op where the kernels can launch: as on a GPU
     import kernel
 
     target = GPUTarget("cuda", 90, 32)
@@ -362,6 +363,20 @@ def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
     run = subprocess.run([sys.executable, "-c", FRONTEND], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split().count("_attend_kernel") == 12 and run.stdout.split().count("_finish_kernel") == 11
+
+
+@pytest.mark.skipif(CUDA, reason="where CUDA is, the kernels can launch")
+def test_where_the_kernels_cannot_launch_importing_them_costs_no_compiler_and_a_call_names_the_reference():
+    """Without CUDA or Triton's interpreter the op is not registered: registering imports torch's compiler,
+    1.5 s of the start of every command line on a CPU. A call then says what to use instead."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys, torch, kernel; assert 'torch._inductor' not in sys.modules, 'the compiler was imported'\n"
+            "kernel.decode_attention(*[torch.zeros(1, 1, 1, 4)] * 3, torch.zeros(1, 1, 1, dtype=torch.int32))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(kernel.__file__)))
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: the Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before kernel is "
+        "imported; here use decode_attention_ref"), run.stderr[-2000:]
 
 
 @gpu_only
