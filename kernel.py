@@ -55,7 +55,7 @@ except ImportError:  # no Triton (macOS, Windows, some CPU-only installs): the C
     triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=lambda x=None: x)
 HAS_TRITON = hasattr(triton, "cdiv")
 # where the kernels can run: on CUDA, or on the CPU through Triton's interpreter (the tests set TRITON_INTERPRET=1)
-CAN_LAUNCH = HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+CAN_LAUNCH = HAS_TRITON and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available())
 
 
 def protected_mask(pos, n_sink: int, window: int):
@@ -406,7 +406,9 @@ def _as_torch_op(fn):
     """fn as the torch op tinyflow::decode_attention, which torch.compile traces into and a CUDA graph captures.
     Only where the kernels can run: registering a Triton op imports torch's compiler, 1.5 s of the start of
     every process (a command line on a CPU, its --help, each of its refusals) that would never use it."""
-    return torch.library.triton_op("tinyflow::decode_attention", mutates_args={"acc"})(fn) if CAN_LAUNCH else fn
+    if not CAN_LAUNCH:
+        return fn
+    return torch.library.triton_op("tinyflow::decode_attention", mutates_args={"acc"})(fn)
 
 
 @_as_torch_op
@@ -496,7 +498,7 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
     if not CAN_LAUNCH:
         raise RuntimeError("the Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before kernel "
-                           "is imported; here use decode_attention_ref")
+                           "is imported; on this machine call kernel.decode_attention_ref (same arguments)")
     if (k_scale is None) != (v_scale is None) or (k_scale is not None and k.dtype != torch.uint8):
         raise ValueError("an FP8 cache gives k and v as uint8 e4m3 bits with both k_scale and v_scale")
     if partial and (per_head or acc is not None or not select):

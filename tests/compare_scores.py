@@ -64,7 +64,7 @@ def emit(models: dict[str, str], out: str):
 
 
 def checkpoints(root: Path, tiny_only: bool) -> dict[str, str]:
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent)]  # conftest imports kernel
     from conftest import write_checkpoint
     root.mkdir()
     models = {arch: str(write_checkpoint(root / arch, arch)) for arch in ("qwen3", "qwen2", "llama")}

@@ -3,13 +3,14 @@ import os
 import torch
 
 # Triton kernels run through the interpreter on machines without a GPU. It must be set before
-# triton is imported (kernel.py reads it when its kernels are decorated). The processes the tests start
+# kernel is imported (kernel.py reads it when its kernels are decorated). The processes the tests start
 # decode on the CPU through the reference and need no interpreter: without it they skip registering the
 # kernels' torch op (1.5 s of each one's start).
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
     import kernel  # noqa: E402  (its kernels decorated for the interpreter, its op registered)
-    if kernel.HAS_TRITON:  # this process keeps interpreting (Triton reads the setting while it runs, too)
+    if kernel.HAS_TRITON and hasattr(kernel.triton, "knobs"):  # this process keeps interpreting (Triton 3.4
+        # on reads the setting while it runs, too; older ones only when decorating)
         kernel.triton.knobs.runtime.interpret = True
     del os.environ["TRITON_INTERPRET"]
 
