@@ -240,7 +240,7 @@ class StepTimer:
     replays with the cache filled to any length. Only data changes between fills, so one capture serves."""
 
     def __init__(self, model, policy: str, batch: int, slots: int, compile: bool, kv_dtype: str = "auto"):
-        self.model, self.policy, self.batch, self.slots = model, policy, batch, slots
+        self.model, self.policy, self.batch, self.slots, self.compile = model, policy, batch, slots, compile
         self.kv_dtype, self.kv_storage = kv_dtype, KV_DTYPES[kv_dtype]
         self.device, self.dtype = model.inv_freq.device, model.model.norm.weight.dtype
         reset_peak(self.device)
@@ -252,7 +252,7 @@ class StepTimer:
         t = time.perf_counter()
         sampler = Sampler.empty(batch, model.cfg.vocab_size, self.device)  # greedy rows, as the step runs any
         self.stepper = Stepper(model, self.cache, self.state, sampler, compile)
-        self.compile_s = time.perf_counter() - t
+        self.setup_s = time.perf_counter() - t  # compiling and capturing the step, or (--no-compile) building it
 
     def seconds_per_step(self, filled: int, steps: int = 20) -> float:
         fill_cache(self.cache, filled)
@@ -330,8 +330,14 @@ def step_row(timer: StepTimer, filled: int, hw: Machine, **extra) -> dict:
     return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, batch=timer.batch, slots=timer.slots, kv_tokens=filled,
                 ms_per_step=t * 1e3,
                 tokens_per_s=timer.batch / t, floor_fraction=floor / t, compute_bound=compute_bound,
-                compile_s=timer.compile_s,
+                **setup_time(timer.setup_s, timer.compile),
                 peak_gib=peak_gib(timer.device), **extra)
+
+
+def setup_time(seconds: float, compiled: bool) -> dict:
+    """A row's setup time: compile_s, or setup_s under --no-compile, where nothing was compiled (as generate.py's
+    stats line words it)."""
+    return {"compile_s" if compiled else "setup_s": seconds}
 
 
 def slots_for(policy: str, args) -> int:
@@ -379,7 +385,7 @@ def bench_throughput(args, hw: Machine, model):
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
                              floor_fraction=floor_ms / ms, compute_bound=steps[-1]["compute_bound"],
                              peak_gib=steps[-1]["peak_gib"],
-                             compile_s=timer.compile_s))
+                             **setup_time(timer.setup_s, timer.compile)))
             if args.validate:
                 rows[-1].update(validate(args, model, timer, policy, B))
             if args.dp:
@@ -464,7 +470,7 @@ def bench_generate(args, hw: Machine, model):
             assert all(len(o) == args.new_tokens for o in outs)
             finished(dict(workload="generate", policy=policy, kv_dtype=args.kv_dtype, slots=st.slots, batch=B,
                           new_tokens=args.new_tokens,
-                          compile_s=st.setup_s, prefill_s=st.prefill_s,
+                          **setup_time(st.setup_s, st.compiled), prefill_s=st.prefill_s,
                           tokens_per_s=B * (args.new_tokens - 1) / st.decode_s,
                           ms_per_step=st.decode_s / (args.new_tokens - 1) * 1e3, peak_gib=peak_gib(args.device)))
 
@@ -745,8 +751,8 @@ def check_args(args, p: Parser):
         args.prompt_len = 131072 if args.workload == "long-prompt" else 128
     check_sizes(args)
     for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            check_writable(option, path)
+        if path:  # rank 0 alone writes it, so it alone tries (two ranks trying raced), and every rank refuses
+            parallel.on_rank0(lambda: check_writable(option, path))
     if args.plot:
         check_plot(args.plot, args.json)
 
@@ -829,8 +835,6 @@ def check_writable(option: str, path: str):
         raise ValueError(f"{option} {path} is a folder; give a file name")
     if not os.path.isdir(folder):
         raise ValueError(f"{option} {path}: folder {folder} does not exist; create it or give another path")
-    if parallel.rank() > 0:  # rank 0 alone writes it, so it alone tries: two ranks trying race on the file
-        return
     existed = os.path.exists(path)
     try:
         open(path, "a").close()  # "a": an existing file keeps its content until the run writes it
@@ -903,7 +907,7 @@ def main():
 
 def check_and_run(args, p: Parser):
     check_args(args, p)
-    if parallel.rank() > 0:  # rank 0 alone writes --json and --plot (checked on every rank alike)
+    if parallel.rank() > 0:  # rank 0 alone writes --json and --plot (it alone tried them, in check_args)
         args.json = args.plot = None
     benchmark(args)
 

@@ -626,7 +626,6 @@ class RunLock:
         self.handle.close()
 
 
-
 def needle_summary(rows: list[dict]) -> dict:
     """Needle retrieval: accuracy at each depth, and how often the needle survived prompt compression."""
     if not rows or "needle_kept" not in rows[0]:
@@ -1123,9 +1122,9 @@ def parse_args(argv):
 
 def check_args(args):
     """Refuse, before anything loads, what cannot work (argparse checked each number alone)."""
-    from sampling import Sampling
+    from generate import sampling_from_flags
     check_out(Path(args.out))
-    Sampling.with_defaults({}, **chosen_protocol(args).sampling)  # those from the model are checked once it loads
+    sampling_from_flags(chosen_protocol(args).sampling, {})  # those from the model are checked once it loads
     check_seed(args.seed)
     if args.dp and not launched():
         raise ValueError("--dp shares the generations out among torchrun's processes: start eval.py with "
@@ -1227,13 +1226,13 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     """Load the model once, check every run's settings against its files, then evaluate each run in turn;
     its summary is written as it ends."""
     import tinyflow
-    from sampling import Sampling
+    from generate import sampling_from_flags
     policy, budget, _ = runs[0]
     import parallel
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,
                        allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype, data_parallel=args.dp)
     check_chat_template(llm, args.model)
-    sampling = asdict(Sampling.with_defaults(llm.tokenizer.defaults, **proto.sampling))
+    sampling = asdict(sampling_from_flags(proto.sampling, llm.tokenizer.defaults))
     settings = dict(model=args.model, data=args.data, data_sha256=digest, protocol=args.protocol, system=proto.system,
                     suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
                     answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)

@@ -58,9 +58,10 @@ class Stats:
 
     def kv_line(self) -> str:
         kv = f"KV cache {self.policy}, {self.slots} slots/seq in {self.kv_dtype}, {self.kv_bytes / 2**20:.1f} MiB"
-        if self.policy == "full":
+        # longest 0: interrupted before any token was produced, so no sequence for a full cache to hold
+        if self.policy == "full" or self.longest == 0:
             return kv
-        if 0 < self.longest <= self.slots:  # the budget is larger than the sequences: it never evicted
+        if self.longest <= self.slots:  # the budget is larger than the sequences: it never evicted
             return kv + f" (the budget holds every token: the longest sequence has {self.longest}, none was evicted)"
         return kv + f" (a full cache would need {self.full_kv_bytes / 2**20:.1f} MiB)"
 
@@ -525,14 +526,14 @@ def run(args):
     check_policy_args(args)
     rule = args.prompt_compression or "snapkv"
     policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, rule)
-    sampling_from_flags(args, {})  # the values given, checked before the model loads
+    sampling_from_flags(vars(args), {})  # the values given, checked before the model loads
     device, dtype = pick_device(args.device, args.dtype)
     tp, device = parallel.join(device)  # under torchrun: this rank's part of the model, its GPU
     text = parallel.on_rank0(lambda: read_prompt(args))  # standard input is rank 0's
     if not text.strip():
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
     model, tok = load(args.model, device, dtype, tp)
-    sampling = sampling_from_flags(args, tok.defaults)
+    sampling = sampling_from_flags(vars(args), tok.defaults)
     check_sampling_args(args, sampling)
     ids = prompt_ids(tok, text, args)
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
@@ -551,13 +552,15 @@ def run(args):
     screen.show(outs, stats)
 
 
-def sampling_from_flags(args, defaults: dict) -> Sampling:
-    """--temperature, --top-k, --top-p, --repetition-penalty, and the model's defaults for those not given."""
+def sampling_from_flags(given: dict, defaults: dict) -> Sampling:
+    """--temperature, --top-k, --top-p, --repetition-penalty as given (a setting absent or None: not given), and
+    the model's defaults for those not given; a refusal names the flag (eval.py's too)."""
+    given = {name: given.get(name) for name in ("temperature", "top_k", "top_p", "repetition_penalty")}
     try:
-        return Sampling.with_defaults(defaults, args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+        return Sampling.with_defaults(defaults, **given)
     except BadSetting as e:
         flag = "--" + e.setting.replace("_", "-")
-        if getattr(args, e.setting) is None:
+        if given[e.setting] is None:
             raise ValueError(f"this model's generation_config.json sets {e.setting} to {e.value!r}, which must be "
                              f"{e.allowed}: give {flag} to override it") from None
         raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None

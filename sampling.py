@@ -167,6 +167,7 @@ class Sampler:
         """What each row's output keeps of the steps in ring columns cols: their tokens (Forcing.read: records)."""
         return tokens
 
+
 def seeds_for(n: int, seed, draw=lambda: random.randrange(2**31)) -> list[int]:
     """One sampling seed per prompt, so that a prompt's samples do not depend on its row: seed + i for
     prompt i from one int (None: draw()), or the n ints given."""

@@ -416,7 +416,7 @@ class Server:
         given = {name: take(body, name, *check) for name, check in SAMPLING.items()}
         if given["top_k"] == -1:
             given["top_k"] = 0  # no limit
-        try:  # only the model's own defaults can be out of range now
+        try:  # the fields were checked above and the model's defaults at startup: a last guard
             sampling = Sampling.with_defaults(self.tok.defaults, **given)
         except BadSetting as e:
             raise ApiError(400, str(e), e.setting) from None
@@ -674,6 +674,7 @@ def build(args) -> Server:
         raise ValueError("server.py serves from one process on one GPU; start it without torchrun")
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype)
+    check_default_sampling(tok.defaults)
     limit = model.cfg.max_position_embeddings
     if args.max_model_len and limit and args.max_model_len > limit and not args.allow_long_context:
         raise ValueError(f"--max-model-len {args.max_model_len} is past the model's max_position_embeddings "
@@ -681,6 +682,16 @@ def build(args) -> Server:
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
                     kv_dtype=KV_DTYPES[args.kv_dtype])
     return Server(model, tok, engine, args)
+
+
+def check_default_sampling(defaults: dict):
+    """The model's sampling defaults, checked once at startup: one out of range would refuse every request that
+    leaves that setting out."""
+    try:
+        Sampling.with_defaults(defaults)
+    except BadSetting as e:  # generate.py's words, but the server has no flag to override it with
+        raise ValueError(f"this model's generation_config.json sets {e.setting} to {e.value!r}, which must be "
+                         f"{e.allowed}: correct it in that file") from None
 
 
 def main(argv=None):

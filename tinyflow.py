@@ -13,11 +13,15 @@ from dataclasses import dataclass
 
 def check_own_modules():
     """tinyflow's files are top-level modules (model, cache, policies, kernel, generate, ...): a file
-    of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place."""
+    of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place,
+    and an install older than one of them does not find it at all."""
     here = os.path.dirname(os.path.abspath(__file__))
     for name in ("cache", "policies", "kernel", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
         spec = importlib.util.find_spec(name)
-        origin = spec.origin if spec else None
+        if spec is None:  # an editable install made before this module existed does not map it
+            raise ImportError(f"tinyflow's install is out of date: `import {name}` finds no {name}.py; reinstall it "
+                              f"(`pip install -e .` from the clone, or `pip install .`)")
+        origin = spec.origin
         if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
             raise ImportError(f"tinyflow needs its own {name}.py (in {here}) but `import {name}` finds {origin}; "
                               f"rename that file or run from another folder")

@@ -1,10 +1,19 @@
 """Whether a change to kernel.py changed the code the GPU runs, checked on a machine without a GPU: the decode
-kernel (_attend_kernel) of a revision and of this tree compiled by Triton for Hopper (sm_90), in the
-configurations tinyflow launches, their PTX instructions compared (debug line records and labels aside).
+kernel (_attend_kernel) of a revision and of this tree compiled by Triton for Hopper (sm_90), their PTX
+instructions compared (debug line records and labels aside).
 
     python tests/compare_ptx.py REV        # e.g. HEAD~1; needs triton with its CUDA backend (the pip wheel)
 
-Identical instructions mean identical speed; different ones need the GPU (tests/gpu_compare.sh).
+What it compiles: each configuration of CONFIGS with kernel.py's launch options, at Qwen3-8B's shapes (8 KV
+heads of 4 query heads, head_dim 128) and SLOTS slots a row, from the arguments _decode_attention_op passes:
+their dtypes (its fp32 stand-in for a buffer a configuration does not use), and the launch-time specialisation
+Triton gives them (its JIT, and inductor for the compiled step, alike): every pointer 16-byte aligned (as torch
+allocates), each integer argument equal to 1 (the innermost strides) a constant, the others marked divisible
+by 16 where they are (every one, at SLOTS = 3200).
+What it does not: other shapes (rows of slots not a multiple of 16 give pos, ||v||_1 and the scales strides
+that are not, so other code), views with unaligned offsets, _finish_kernel, other GPUs, and what ptxas makes
+of the PTX. Identical instructions mean identical speed in these launches; different ones need the GPU
+(tests/gpu_compare.sh).
 """
 import importlib.util
 import os
@@ -21,13 +30,14 @@ from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ("SPLIT", "SELECT", "VALUE_NORM", "HAS_LIMIT", "FP8_KV", "FP16_PRODUCTS")
-CONFIGS = {  # Qwen3-8B's shapes (8 KV heads of 4 query heads, head_dim 128), as kernel.py launches them
+H_KV, G, D, SLOTS = 8, 4, 128, 3200  # Qwen3-8B's KV heads, query heads per KV head and head_dim; longflow:3200
+CONSTANTS = dict(H_KV=H_KV, G=G, G_PAD=16, D=D, BLOCK_S=64, SCALE=1 / D ** 0.5)  # as kernel.py launches them
+CONFIGS = {
     "bf16, longflow (select, ||v||_1)": (False, True, True, False, False, False),
     "bf16, longflow, split": (True, True, True, False, False, False),
     "bf16, full cache (limit, split)": (True, False, False, True, False, False),
     "fp8, longflow": (False, True, True, False, True, True),
 }
-POINTER_TYPES = {"pos_ptr": "i64", "newest_ptr": "i32", "key_ptr": "i64", "limit_ptr": "i64"}
 
 
 def kernel_module(source: str, name: str):
@@ -39,26 +49,52 @@ def kernel_module(source: str, name: str):
     return module
 
 
-def signature(fn, fp8: bool) -> dict:
-    types = {}
+def pointer_type(name: str, kernel: dict) -> str:
+    """The dtype of what _decode_attention_op passes as pointer `name`, or of its fp32 stand-in `unused`
+    where the configuration leaves that buffer alone."""
+    stored = "u8" if kernel["FP8_KV"] else "bf16"
+    types = {"q_ptr": "bf16", "out_ptr": "bf16", "k_ptr": stored, "v_ptr": stored, "pos_ptr": "i32",
+             "newest_ptr": "i32", "key_ptr": "i64", "limit_ptr": "i64"}
+    used = {"newest_ptr": kernel["SELECT"], "limit_ptr": kernel["HAS_LIMIT"]}.get(name, True)
+    return "*" + (types.get(name, "fp32") if used else "fp32")
+
+
+def int_values(kernel: dict) -> dict:
+    """The integer arguments of one launch, from contiguous q [B, H_q, D], k and v [B, H_kv, S, D], and pos,
+    ||v||_1 and the scales [B, H_kv, S]; 0 for the strides of a buffer the configuration leaves alone."""
+    row = {"b": H_KV * SLOTS, "h": SLOTS, "s": 1}
+    cache = {"b": H_KV * SLOTS * D, "h": SLOTS * D, "s": D, "d": 1}
+    none = dict.fromkeys("bhs", 0)
+    strides = {"q": {"b": H_KV * G * D, "h": D, "d": 1}, "k": cache, "v": cache, "p": row,
+               "n": row if kernel["VALUE_NORM"] else none, "s": row if kernel["FP8_KV"] else none}
+    # chunk: whole blocks of 64 slots per split, a multiple of 16 whatever the split (only that is compiled in)
+    return {"S": SLOTS, "chunk": 64 * triton.cdiv(SLOTS, 64),
+            **{f"s{t}_{axis}": x for t, axes in strides.items() for axis, x in axes.items()}}
+
+
+def specialised(fn, kernel: dict) -> tuple[dict, dict, dict]:
+    """Signature, constants and attributes as Triton specialises the launch (runtime/jit.py, and inductor's
+    config_of): an integer 1 becomes a constant, pointers and multiples of 16 get tt.divisibility 16."""
+    ints = int_values(kernel)
+    signature, constants, attrs = {}, dict(CONSTANTS, **kernel), {}
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
-            types[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            stored = "u8" if fp8 else "bf16"
-            types[name] = "*" + {"q_ptr": "bf16", "out_ptr": "bf16", "k_ptr": stored, "v_ptr": stored,
-                                 **POINTER_TYPES}.get(name, "fp32")
+            signature[name] = "constexpr"
+        elif ints.get(name) == 1:
+            signature[name], constants[name] = "constexpr", 1
         else:
-            types[name] = "i32"
-    return types
+            signature[name] = pointer_type(name, kernel) if name.endswith("_ptr") else "i32"
+            if name.endswith("_ptr") or ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
 
 
 def instructions(module, flags) -> list[str]:
     """The PTX of one configuration, without the debug sections, line records, comments and labels."""
     fn, kernel = module._attend_kernel, dict(zip(FLAGS, flags))
     launch = module.FP8_ATTEND_LAUNCH if kernel["FP8_KV"] else module.ATTEND_LAUNCH[kernel["SELECT"]]
-    constants = dict(H_KV=8, G=4, G_PAD=16, D=128, BLOCK_S=64, SCALE=1 / 128 ** 0.5, **kernel)
-    compiled = triton.compile(ASTSource(fn, signature(fn, kernel["FP8_KV"]), constexprs=constants),
+    signature, constants, attrs = specialised(fn, kernel)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=launch)
     ptx = compiled.asm["ptx"].split(".section\t.debug")[0]
     return [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp)", line)]

@@ -160,18 +160,21 @@ def test_bench_refuses_bad_input_in_one_line_before_running(tmp_path, monkeypatc
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
 
 
-def test_under_torchrun_rank_0_alone_tries_to_create_the_output_files(tmp_path, monkeypatch):
-    """Rank 0 alone writes --json and --plot, so it alone creates and removes a trial file: two ranks doing so
-    raced (one removed the file the other had just made, and its os.remove failed)."""
-    import bench as bench_module
+def test_under_torchrun_rank_0_alone_tries_the_output_file_and_every_rank_refuses_with_it(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Rank 0 alone writes --json and --plot, so it alone creates and removes a trial file (two ranks doing so
+    raced: one removed the file the other had just made, and its os.remove failed), and its refusal is every
+    rank's (a rank that went on alone was killed by torchrun, or waited for the others)."""
     import parallel
-    monkeypatch.setattr(parallel, "rank", lambda: 1)
-    bench_module.check_writable("--json", "/proc/tinyflow-rows.json")  # rank 0 says it cannot be written
-    (tmp_path / "rows.json").write_text("kept")
-    monkeypatch.setattr(bench_module, "open", lambda *a: pytest.fail("rank 1 opened the file"), raising=False)
-    bench_module.check_writable("--json", str(tmp_path / "rows.json"))
-    with pytest.raises(ValueError, match="does not exist"):  # what needs no trial is still checked on every rank
-        bench_module.check_writable("--json", str(tmp_path / "missing" / "rows.json"))
+    tried = []
+
+    def from_rank_0(fn):  # what any other rank gets from parallel.on_rank0: rank 0's refusal, not its own try
+        tried.append(fn)
+        raise ValueError("rank 0's refusal")
+    monkeypatch.setattr(parallel, "on_rank0", from_rank_0)
+    code, out, err = bench_in_process(monkeypatch, capsys, *SMALL.split(), "--json", tmp_path / "rows.json")
+    assert (code, out, err) == (2, "", "error: rank 0's refusal\n") and len(tried) == 1
+    assert not (tmp_path / "rows.json").exists()
 
 
 @pytest.mark.parametrize("argv, message", [(f"{SMALL} --policy foo", "invalid choice: 'foo'"),  # argparse's
@@ -245,6 +248,17 @@ def test_bench_generate_rows_say_which_budget_they_measured(tmp_path, monkeypatc
     assert code == 0, err
     runs = sorted((row["policy"], row["slots"]) for row in json.loads(out.read_text())["rows"])
     assert runs == [("full", 16), ("longflow", 40), ("longflow", 48)]
+
+
+def test_no_compile_rows_time_the_setup_not_a_compile(sweep, tmp_path, monkeypatch, capsys):
+    """Under --no-compile nothing is compiled: the rows' time to make the step is setup_s, not compile_s."""
+    out = tmp_path / "generate.json"
+    code, _, err = bench_in_process(monkeypatch, capsys, "generate", *TINY, "--batch", "1", "--policy", "longflow",
+                                    "--budget", "40", "--new-tokens", "4", "--prompt-len", "8", "--json", out)
+    assert code == 0, err
+    rows = strict_json(sweep[1])["rows"] + strict_json(out)["rows"]
+    assert {row["workload"] for row in rows} == {"throughput", "generate"}
+    assert all(row["setup_s"] >= 0 and "compile_s" not in row for row in rows), rows
 
 
 def test_the_floor_is_a_roofline_of_bytes_and_flops():

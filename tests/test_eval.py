@@ -418,10 +418,10 @@ def test_a_data_file_that_is_not_utf8_or_is_a_folder_is_named(checkpoints, tmp_p
     (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer"),
     (["--batch-size", "0"], "--batch-size: expected a positive integer"),
     (["--prompt-tokens", "-1"], "--prompt-tokens: expected a non-negative integer"),
-    (["--temperature", "-1"], "temperature must be 0 (greedy) or a number from 1e-6 up, got -1.0"),
-    (["--top-p", "0"], "top_p must be a number in (0, 1], got 0.0"),
-    (["--top-k", "-1"], "top_k must be an integer from 0 (no limit) to 2^63 - 1, got -1"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be a number from 1e-30 to 1e30 (1: none), got 0.0"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or a number from 1e-6 up, got -1.0"),
+    (["--top-p", "0"], "--top-p must be a number in (0, 1], got 0.0"),
+    (["--top-k", "-1"], "--top-k must be an integer from 0 (no limit) to 2^63 - 1, got -1"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be a number from 1e-30 to 1e30 (1: none), got 0.0"),
     (["--seed", str(2**70)], "--seed 1180591620717411303424 is too large"),
 ])
 def test_numbers_that_cannot_work_are_refused_before_the_model_loads(checkpoints, tmp_path, capsys, no_model,
@@ -478,6 +478,18 @@ def test_grading_without_math_verify_is_refused_before_the_model_loads(checkpoin
     monkeypatch.setitem(sys.modules, "math_verify", None)  # as if it were not installed
     err = refused(capsys, eval_args(checkpoints, write_data(tmp_path), tmp_path / "runs"))
     assert "grading answers needs math-verify: pip install" in err
+
+
+def test_a_bad_default_sampling_setting_names_generation_config_and_the_flag(checkpoints, tmp_path, capsys):
+    """A setting out of range in generation_config.json is refused as generate.py refuses it: where it came from
+    and the flag that overrides it."""
+    import shutil
+    model = tmp_path / "bad-top-p"
+    shutil.copytree(checkpoints["qwen3"], model)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 1.5}))
+    err = refused(capsys, eval_args({"qwen3": model}, write_data(tmp_path), tmp_path / "runs"))
+    assert err == ("error: this model's generation_config.json sets top_p to 1.5, which must be a number in (0, 1]: "
+                   "give --top-p to override it\n"), err
 
 
 def test_a_model_without_a_chat_template_is_refused_as_it_loads(checkpoints, tmp_path, capsys):

@@ -393,6 +393,20 @@ def test_the_stats_line_says_what_setup_timed_and_when_the_budget_held_everythin
     assert ", compile " in stats.line()
 
 
+def test_a_run_interrupted_before_any_token_compares_with_no_full_cache(checkpoints, monkeypatch):
+    """Ctrl-C during the first prefill: no token, so no sequence a full cache would hold (not "0.0 MiB")."""
+    model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    engine = Engine(model, compile=False)
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine, "_fill_free_rows", ctrl_c)  # the prefill that would give the first token
+    with pytest.raises(generate.Interrupted) as stop:
+        engine.generate([tok.encode("Hi")], 4, [], 40)
+    line = stop.value.stats.line()
+    assert "generated 0 tok" in line and line.endswith(" MiB") and "full cache" not in line, line
+
+
 def test_a_bad_sampling_flag_is_refused_before_the_model_loads(checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
     code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--top-p", "1.5")

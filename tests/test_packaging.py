@@ -1,5 +1,6 @@
 """What `pip install` gives a user: every file and command, on a machine with or without Triton, and a clear
 error when a file of theirs shadows one of tinyflow's top-level modules."""
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -7,6 +8,8 @@ import sys
 import zipfile
 
 import pytest
+
+import tinyflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,3 +52,12 @@ def test_a_users_model_py_is_not_imported_in_place_of_tinyflows(tmp_path):
     r = python("import tinyflow", cwd=tmp_path)  # `python -c` puts the current folder first on sys.path
     assert r.returncode != 0 and "the wrong model.py" not in r.stderr + r.stdout
     assert f"tinyflow needs its own model.py (in {ROOT}) but `import model` finds {tmp_path / 'model.py'}" in r.stderr
+
+
+def test_an_install_older_than_a_module_says_to_reinstall(monkeypatch):
+    """An editable install made before step.py existed does not map it: find_spec("step") is None."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "step" else find_spec(name))
+    with pytest.raises(ImportError, match=r"install is out of date: `import step` finds no step.py; reinstall it "
+                                          r"\(`pip install -e \.` from the clone, or `pip install \.`\)"):
+        tinyflow.check_own_modules()

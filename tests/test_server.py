@@ -2,6 +2,7 @@
 checkpoint on the CPU. Every answer is checked against what LLM.generate gives the same prompt alone."""
 import concurrent.futures
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,6 +171,17 @@ def test_on_the_cpu_the_default_rows_hold_16384_slots_in_all_so_a_reply_takes_se
     with pytest.raises(SystemExit):
         srv.parse_args(["--help"])
     assert "on the CPU as many (1 to 8) as hold 16,384 KV slots in all" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_default_sampling_setting_out_of_range_refuses_to_start_the_server(model_dir, tmp_path):
+    """top_p 0 in generation_config.json would refuse every request that leaves top_p out: refused at startup."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(model_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 0}))
+    with pytest.raises(ValueError) as refused:
+        srv.build(srv.parse_args(["--model", str(folder), "--device", "cpu", "--no-compile"]))
+    assert str(refused.value) == ("this model's generation_config.json sets top_p to 0, which must be a number in "
+                                  "(0, 1]: correct it in that file")
 
 
 def wait_until_idle(server, seconds=120.0):
