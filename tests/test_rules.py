@@ -215,6 +215,27 @@ def test_prompt_compression_by_the_policy_keeps_the_top_of_its_prompt_score(name
     assert (c.pos[..., S - 1] == -1).all()  # the last slot waits for the first new token
 
 
+@pytest.mark.parametrize("name", EVICTING)
+def test_what_an_empty_slot_holds_changes_no_held_slots_score(name):
+    """A slot not written yet (pos -1) holds whatever was there (zeros, or a finished row's token when a row
+    is refilled): a score that reads it (a softmax over every slot, its empty ones unmasked) ranks the held
+    slots by garbage. The held slots' scores are exactly those with other garbage in the empty slots."""
+    torch.manual_seed(2)
+    cache = KVCache(CFG, B, S, "cpu", torch.float32, resolve_policy(name, S))
+    c, T = cache.layers[0], S // 2
+    q, k, v = torch.randn(B, H_Q, T, D) * 2, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
+    cache.prefill(c, q, k, v, torch.arange(T).expand(B, T), torch.arange(B))
+    qt, now = torch.randn(B, H_Q, D) * 2, torch.full((B,), T - 1)
+    before = cache.policy.score(cache.with_values(c), qt, now).expand(B, H_KV, S).clone()
+    empty = c.pos < 0  # [B, H_kv, S]
+    c.k[empty], c.v[empty] = torch.randn_like(c.k[empty]) * 5, torch.randn_like(c.v[empty]) * 5
+    for kept in c.kept.values():
+        if kept.shape == empty.shape:  # a value per slot
+            kept[empty] = torch.randn_like(kept[empty]) * 5
+    after = cache.policy.score(cache.with_values(c), qt, now).expand(B, H_KV, S)
+    assert torch.equal(after[~empty], before[~empty])
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_the_memory_planner_counts_exactly_what_the_cache_allocates(name):
     p = POLICIES[name] if name == "full" else resolve_policy(name, S)
