@@ -561,8 +561,7 @@ def sampling_from_flags(given: dict, defaults: dict) -> Sampling:
     except BadSetting as e:
         flag = "--" + e.setting.replace("_", "-")
         if given[e.setting] is None:
-            raise ValueError(f"this model's generation_config.json sets {e.setting} to {e.value!r}, which must be "
-                             f"{e.allowed}: give {flag} to override it") from None
+            raise ValueError(e.as_default(f"give {flag} to override it")) from None
         raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None
 
 

@@ -101,6 +101,11 @@ class BadSetting(ValueError):
         super().__init__(f"{setting} must be {allowed}, got {value!r}" + (f" ({source})" if source else ""))
         self.setting, self.value, self.allowed = setting, value, allowed
 
+    def as_default(self, advice: str) -> str:
+        """The message for a model's default out of range, then what the caller's user can do about it."""
+        return (f"this model's generation_config.json sets {self.setting} to {self.value!r}, which must be "
+                f"{self.allowed}: {advice}")
+
 
 def finite(x) -> bool:
     """A finite real number (Python's or numpy's), not a bool."""

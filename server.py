@@ -690,8 +690,7 @@ def check_default_sampling(defaults: dict):
     try:
         Sampling.with_defaults(defaults)
     except BadSetting as e:  # generate.py's words, but the server has no flag to override it with
-        raise ValueError(f"this model's generation_config.json sets {e.setting} to {e.value!r}, which must be "
-                         f"{e.allowed}: correct it in that file") from None
+        raise ValueError(e.as_default("correct it in that file")) from None
 
 
 def main(argv=None):
