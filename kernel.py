@@ -403,12 +403,25 @@ def _chunk_size(B: int, S: int, device: torch.device) -> int:
 
 
 def _as_torch_op(fn):
-    """fn as the torch op tinyflow::decode_attention, which torch.compile traces into and a CUDA graph captures.
-    Only where the kernels can run: registering a Triton op imports torch's compiler, 1.5 s of the start of
-    every process (a command line on a CPU, its --help, each of its refusals) that would never use it."""
+    """fn as the torch op tinyflow::decode_attention, which torch.compile keeps whole (it knows only the shapes
+    of its results, from _result_shapes) and a CUDA graph captures. Opaque, not traced into: its launch settings
+    depend on the batch size, which the compiled step leaves dynamic. Only where the kernels can run: registering
+    the op imports torch's compiler, 1.5 s of the start of every process (a command line on a CPU, its --help,
+    each of its refusals) that would never use it."""
     if not CAN_LAUNCH:
         return fn
-    return torch.library.triton_op("tinyflow::decode_attention", mutates_args={"acc"})(fn)
+    op = torch.library.custom_op("tinyflow::decode_attention", mutates_args={"acc"})(fn)
+    op.register_fake(_result_shapes)
+    return op
+
+
+def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc, limit, vnorm, k_scale, v_scale,
+                   partial):
+    """The op's results as empty tensors of their shapes: out [B, H_q, D], and the partial scores [B, S] fp32 or
+    the chosen slot [B, H_kv] int64."""
+    B, H_kv, S = pos.shape
+    second = q.new_empty(B, S, dtype=torch.float32) if partial else q.new_empty(B, H_kv, dtype=torch.int64)
+    return q.new_empty(q.shape), second
 
 
 @_as_torch_op
