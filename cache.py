@@ -10,6 +10,7 @@ not matter and a token can be written anywhere. Every decode step, every layer:
 With policy "full" the cache has room for every token and slots simply fill in order.
 """
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -32,12 +33,15 @@ class Layer:
     kept: dict[str, torch.Tensor]  # what the policy keeps, by name (Policy.keeps)
     index: torch.Tensor  # [] int64 the layer number (the random policy hashes it)
     heads: torch.Tensor  # [H_kv] int64 the KV heads' numbers in the whole model (tensor parallel: this rank's)
+    ROWS: ClassVar = ("k", "v", "k_scale", "v_scale", "pos", "next_slot", "kept")  # per row (step.first_rows)
 
 
 KV_DTYPES = {"auto": None, "fp8": kernel.FP8}  # what the cache stores K and V in (auto: the model's dtype)
 
 
 class KVCache:
+    ROWS = ("layers",)  # what holds rows (step.first_rows)
+
     def __init__(self, cfg, batch: int, slots: int, device, dtype, policy: Policy | str = "full",
                  prompt_rule: str = "snapkv", kv_dtype: torch.dtype | None = None, tp: Group = SINGLE):
         """dtype: the model's; kv_dtype: what K and V are stored in, dtype (None) or kernel.FP8 (e4m3 with a

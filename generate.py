@@ -340,6 +340,8 @@ class Engine:
                 if fed:
                     continue  # a server waits for its next request
                 return
+            self._compact(serving)
+            self.stepper.size = self.stepper.fit(len(serving) - serving.count(None))
             if requests.sampling:  # the step that sorts the vocabulary only while some row samples
                 self.stepper.hot = any(requests.sampling[p].temperature > 0 for p in serving if p is not None)
             for _ in range(self.sync_every):
@@ -377,6 +379,19 @@ class Engine:
             if requests.settle(p):
                 serving[b] = None
         return sync_time(self.device) - t
+
+    def _compact(self, serving: list):
+        """Move busy rows down into the free rows below them (the highest busy row into the lowest free one),
+        so that the busy rows are the lowest and the step runs at the smallest size that holds them."""
+        free = [b for b, p in enumerate(serving) if p is None]
+        busy = [b for b, p in enumerate(serving) if p is not None][::-1]  # the highest first
+        moves = [(src, dst) for dst, src in zip(free, busy) if dst < src]
+        if moves:
+            src, dst = zip(*moves)
+            self.stepper.move_rows(src, dst)
+            self.cache.reset(torch.tensor(src, device=self.device))  # free now: a step that still runs it starts empty
+        for src, dst in moves:
+            serving[dst], serving[src] = serving[src], None
 
     def _keep_block(self, requests: Requests, serving: list, block: list, cols):
         """Each busy row's records of the block (ring columns cols) into its request's output; with teacher

@@ -5,6 +5,7 @@ import math
 import numbers
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -140,6 +141,7 @@ class Sampler:
     top_p: torch.Tensor  # [B] fp32
     penalty: torch.Tensor  # [B] fp32, 1 = none
     seen: torch.Tensor  # [B, V] bool: the ids in the row's prompt and output so far
+    ROWS: ClassVar = ("temperature", "top_k", "top_p", "penalty", "seen")  # per row (step.first_rows)
 
     @classmethod
     def empty(cls, batch: int, vocab: int, device):

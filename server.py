@@ -702,6 +702,7 @@ def main(argv=None):
     try:
         server = build(args)
         server.thread.start()
+        started = time.perf_counter()
         print(f"compiling the decode step for {server.rows} rows of {server.slots} KV slots...", file=sys.stderr,
               flush=True)
         while not server.feed.ready.wait(0.5):
@@ -716,8 +717,10 @@ def main(argv=None):
     except KeyboardInterrupt:  # while loading or compiling (the engine thread is a daemon: it goes too)
         say("interrupted")
         sys.exit(130)
+    sizes = len(server.engine.stepper.sizes)  # the step for a ladder of batch sizes: the busy rows' runs
     print(f"serving {server.name} on http://{args.host}:{args.port}/v1 ({server.rows} rows, {server.policy.name}, "
-          f"{server.slots} slots)", file=sys.stderr, flush=True)
+          f"{server.slots} slots; the step made for {sizes} batch sizes in {time.perf_counter() - started:.1f} s)",
+          file=sys.stderr, flush=True)
     server.uvicorn = Uvicorn(uvicorn.Config(app(server), host=args.host, port=args.port, log_level="warning",
                                             timeout_graceful_shutdown=5), server.feed)
     try:

@@ -2,11 +2,15 @@
 
 The step (Stepper.step) reads and advances its own state in place (current tokens, positions, the output
 history), so the host only replays it: one layer compiled with torch.compile and used for every layer,
-the sampling compiled, the whole step captured once as a CUDA graph, never synchronised with inside the
-step. What decides the next token is the step's mode: a Sampler (generation) or a Forcing (teacher
+the sampling compiled, the whole step captured as a CUDA graph, never synchronised with inside the step. It is
+made for a ladder of batch sizes (batch_sizes) and runs at the smallest that holds the busy rows, which
+the engine keeps in the lowest rows (move_rows), so a lone request decodes at the speed of batch 1. What decides the next token is the step's mode: a Sampler (generation) or a Forcing (teacher
 forcing: the next token of a given continuation, and how likely the model found it).
 """
+import copy
+import types
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,6 +27,7 @@ class State:
     seeds: torch.Tensor  # [B] the sampling seed of the sequence in each row
     history: torch.Tensor  # [B, RING] the tokens of the last RING steps
     count: torch.Tensor  # [1] steps taken
+    ROWS: ClassVar = ("tokens", "positions", "seeds", "history")  # per row (first_rows, move_rows)
 
     @classmethod
     def empty(cls, batch: int, device):
@@ -64,6 +69,7 @@ class Forcing:
     logprobs: torch.Tensor  # [B, RING] fp32 log p of the continuation's token, per step
     argmax: torch.Tensor  # [B, RING] the most likely token, per step
     dists: torch.Tensor  # [B, RING, V] fp32 log-softmax of every step when kept, else a [1, 1, 1] stand-in
+    ROWS: ClassVar = ("tokens", "start", "logprobs", "argmax", "dists")
 
     @classmethod
     def empty(cls, batch: int, length: int, vocab: int, keep_dists: bool, device):
@@ -90,28 +96,82 @@ def advance_forced(logits, state: State, f: Forcing):
     push(state, nxt[:, 0])
 
 
-# Up to this batch the compiler also autotunes the layer's kernels (its matrix-vector products above all):
-# faster at batch 1 for more compile time, slower or no faster above (measured: docs/performance.md).
-TUNED_BATCH = 1
+# ---- the busy rows: the step at a smaller batch, and the rows moved down to it -----------------------------
+def batch_sizes(most: int) -> list[int]:
+    """The batch sizes the step is made for, up to `most` (the engine's rows): 1, 2, 4, 8, every 8 rows to 64,
+    every 16 above, and `most`. On an H200 a step costs about 0.135 ms more per row above 16 rows
+    (docs/performance.md), so rounding the busy rows up to the next size costs at most about a tenth of a step."""
+    ladder = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, most, 16))
+    return [n for n in ladder if n < most] + [most]
 
 
-def autotuned(model, state: State) -> bool:
-    """Whether the compiler autotunes the step: on CUDA, up to TUNED_BATCH rows, and not under tensor parallel
-    (ranks tuned apart could pick kernels that round differently, and sample different tokens from the same
-    logits)."""
-    return state.tokens.is_cuda and state.tokens.shape[0] <= TUNED_BATCH and model.tp.size == 1
+def first_rows(x, n: int):
+    """Rows 0..n-1 of x: a tensor, a list, tuple or dict of them, or an object whose per-row parts its ROWS names
+    (State, Sampler, Forcing, KVCache and its Layers); views of the same memory, so the step at batch n reads
+    and writes the engine's buffers. For n > 1 their batch dimension is marked dynamic: one compiled step
+    serves every size."""
+    if isinstance(x, torch.Tensor):
+        return x if x.shape[0] == 1 else dynamic_batch(x[:n])  # one row whatever the batch: a stand-in
+    if isinstance(x, (list, tuple)):
+        return type(x)(first_rows(t, n) for t in x)
+    if isinstance(x, dict):
+        return {name: first_rows(t, n) for name, t in x.items()}
+    view = copy.copy(x)
+    for name in x.ROWS:
+        setattr(view, name, first_rows(getattr(x, name), n))
+    return view
+
+
+def move_rows(x, src, dst):
+    """Copy rows src [m] of x (whatever first_rows takes) into rows dst [m], which are not among src."""
+    if isinstance(x, torch.Tensor):
+        if x.shape[0] > 1:  # not a stand-in
+            x[dst] = x[src]
+        return
+    parts = x if isinstance(x, (list, tuple)) else x.values() if isinstance(x, dict) else (getattr(x, n) for n in x.ROWS)
+    for part in parts:
+        move_rows(part, src, dst)
+
+
+def own_code(fn):
+    """A copy of fn with a code object of its own: torch.compile keeps compiled versions per code object, so the
+    copy compiles apart from fn, and neither counts as a recompile of the other."""
+    name = fn.__name__ + "_alone"
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__)
+
+
+def dynamic_batch(x: torch.Tensor) -> torch.Tensor:
+    """x, its first dimension (the batch) marked dynamic when it has more than one row: the compiler then makes
+    code for every batch size from 2 up (it specialises 1, which is compiled on its own)."""
+    if x.shape[0] > 1:
+        torch._dynamo.mark_dynamic(x, 0)
+    return x
+
+
+def for_any_batch(fn):
+    """fn, its tensor arguments' batch dimension marked dynamic at every call (the activations are new
+    tensors each step; the buffers it reads come marked from first_rows)."""
+    return lambda *args: fn(*(dynamic_batch(a) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def autotuned(model, on_cuda: bool) -> bool:
+    """Whether the compiler autotunes the step at batch 1 (its matrix-vector products above all: faster there
+    for more compile time, slower or no faster at larger batches; docs/performance.md): on CUDA, and not under
+    tensor parallel (ranks tuned apart could pick kernels that round differently, and sample different tokens
+    from the same logits)."""
+    return on_cuda and model.tp.size == 1
 
 
 def compiler(enabled: bool, tune: bool):
-    """What the decode step's functions go through: torch.compile (fullgraph, static shapes; tune: autotuned
-    too), or nothing when not enabled."""
+    """What the decode step's functions go through: torch.compile (fullgraph; static shapes but for the batch
+    dimensions that first_rows marks; tune: autotuned too), or nothing when not enabled."""
     keep_many_versions()
     options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
     return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
 
 def keep_many_versions():
-    """Every batch shape and policy compiles its own code (a full cache's shape is the longest prompt +
+    """Every cache shape and policy compiles its own code (a full cache's shape is the longest prompt +
     max_new_tokens); dynamo keeps 8 versions of a function by default and, with fullgraph, fails on the ninth.
     Replays never check the versions, so a long-lived Engine keeps many."""
     cfg = torch._dynamo.config
@@ -120,53 +180,75 @@ def keep_many_versions():
 
 
 class Stepper:
-    """Runs the decode step: its layers and its sampling compiled (fullgraph, static shapes) and, on CUDA,
-    the whole step captured as one CUDA graph and replayed. Compilation and capture happen here, on the
-    empty cache, which is then emptied again (the warm-up steps wrote junk tokens that are simply marked
-    as empty slots). Generation has two versions of the step, both made here: greedy rows only (the
-    argmax), and some rows sampling (a sort of the vocabulary per row); `hot` says which one runs."""
+    """Runs the decode step: its layers and its sampling compiled (fullgraph) and, on CUDA, the whole step
+    captured as a CUDA graph and replayed, one graph per batch size of `sizes` (default batch_sizes(batch)),
+    all in one memory pool. The step at size n decodes rows 0..n-1 (first_rows) and leaves the others as they
+    are; `size` says which runs. Compilation and capture happen here, on the empty cache, which is then
+    emptied again (the warm-up steps wrote junk tokens that are simply marked as empty slots). Generation
+    has two versions of the step, both made here: greedy rows only (the argmax), and some rows sampling (a
+    sort of the vocabulary per row); `hot` says which one runs."""
 
-    def __init__(self, model, cache, state, mode, compile=True):
+    def __init__(self, model, cache, state, mode, compile=True, sizes=None):
         """mode: a Sampler (generate) or a Forcing (score): what decides the next token."""
         self.model, self.cache, self.state, self.mode = model, cache, state, mode
-        compiled = compiler(compile, tune=autotuned(model, state))
-        self.run_block = compiled(run_block)
+        batch, cuda = state.tokens.shape[0], state.tokens.is_cuda
+        self.sizes = sizes or batch_sizes(batch)
+        compiled = compiler(compile, tune=False)
         # two functions, not one with a flag: each compiles once, so neither ever counts as a recompile
-        self.advance = {False: compiled(advance_forced)} if isinstance(mode, Forcing) else \
-            {False: compiled(advance_greedy), True: compiled(advance)}
-        self.graphs, self.hot = {}, False
-        for hot in self.advance:
-            if state.tokens.is_cuda:
-                self._warm_up(hot)
-                self._capture(hot)
-            else:
-                self.step(hot)  # compiles it now, not in the middle of a generation
+        advance_fns = {False: advance_forced} if isinstance(mode, Forcing) else {False: advance_greedy, True: advance}
+        # every size from 2 up shares one compiled version of each function; batch 1 has its own (the compiler
+        # specialises a dimension of size 1), autotuned on CUDA
+        self.run_block = {"more": for_any_batch(compiled(run_block)),
+                          1: compiler(compile, tune=autotuned(model, cuda))(own_code(run_block))}
+        self.advance = {(hot, "more"): for_any_batch(compiled(fn)) for hot, fn in advance_fns.items()}
+        self.advance |= {(hot, 1): compiled(own_code(fn)) for hot, fn in advance_fns.items()}
+        self.views = {n: first_rows((cache, state, mode), n) for n in self.sizes}  # what the step at size n reads
+        self.graphs, self.hot, self.size = {}, False, batch
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        for n in sorted(self.sizes, reverse=True):  # the largest first: the smaller graphs reuse its memory
+            for hot in advance_fns:
+                if cuda:
+                    self._warm_up(hot, n)
+                    self._capture(hot, n)
+                else:
+                    self.step(hot, n)  # compiles it now, not in the middle of a generation
         cache.reset()
 
-    def _warm_up(self, hot: bool):
+    def fit(self, busy: int) -> int:
+        """The smallest size that holds rows 0..busy-1."""
+        return min(n for n in self.sizes if n >= busy)
+
+    def _warm_up(self, hot: bool, n: int):
         """Two steps (compile, autotune, allocate) off the capture stream, as CUDA graph capture needs."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.step(hot)
+                self.step(hot, n)
         torch.cuda.current_stream().wait_stream(stream)
 
-    def _capture(self, hot: bool):
-        self.graphs[hot] = torch.cuda.CUDAGraph()
-        # one memory pool for both versions: nothing a step allocates outlives it (all it keeps goes
-        # into the static buffers), and only one of them ever runs at a time
-        pool = self.graphs[False].pool() if hot else None
-        with torch.cuda.graph(self.graphs[hot], pool=pool):
-            self.step(hot)
+    def _capture(self, hot: bool, n: int):
+        self.graphs[hot, n] = graph = torch.cuda.CUDAGraph()
+        # one memory pool for every graph: nothing a step allocates outlives it (all it keeps goes into the
+        # static buffers), and only one of them ever runs at a time
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(hot, n)
 
-    def step(self, hot: bool = False):
-        st = self.state
-        logits = self.model(st.tokens[:, None], st.positions[:, None], self.cache, run_block=self.run_block)
-        self.advance[hot](logits[:, 0], st, self.mode)  # logits: [B, 1, V]
+    def step(self, hot: bool = False, n: int | None = None):
+        """One decode step at size n (default: size), eagerly or through the compiled functions."""
+        n = n or self.size
+        cache, st, mode = self.views[n]
+        version = 1 if n == 1 else "more"
+        logits = self.model(st.tokens[:, None], st.positions[:, None], cache, run_block=self.run_block[version])
+        self.advance[hot, version](logits[:, 0], st, mode)  # logits: [n, 1, V]
+
+    def move_rows(self, src: list[int], dst: list[int]):
+        """Move rows src into the free rows dst: their cache, decode state and sampling (or teacher forcing)."""
+        src, dst = (torch.tensor(rows, device=self.state.tokens.device) for rows in (src, dst))
+        move_rows((self.cache, self.state, self.mode), src, dst)
 
     def __call__(self):
         if self.graphs:
-            self.graphs[self.hot].replay()
+            self.graphs[self.hot, self.size].replay()
         else:
             self.step(self.hot)

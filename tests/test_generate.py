@@ -36,18 +36,21 @@ def cli(capsys, *argv):
 @pytest.mark.parametrize("policy", ["longflow", "rkv"])  # the kernel's rule; the heaviest rule scored in PyTorch
 def test_compiled_step_never_recompiles_and_matches_eager(checkpoints, policy):
     model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
-    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
-    # budget 36 < prompt + 40 new tokens: the eviction path runs inside the compiled step
-    eager, _ = Engine(model, compile=False).generate(prompts, 40, [], budget=36, policy=policy)
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps"), tok.encode("Hello")]
+    # budget 36 < prompt + 40 new tokens: the eviction path runs inside the compiled step. Three prompts on two
+    # rows: the third runs alone at the end, so the step runs at both sizes of its ladder, 2 and 1
+    run = lambda engine: engine.generate(prompts, 40, [], budget=36, policy=policy, batch_size=2)[0]
+    eager = run(Engine(model, compile=False))
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
         engine = Engine(model, compile=True)
-        compiled, _ = engine.generate(prompts, 40, [], budget=36, policy=policy)
-        again, _ = engine.generate(prompts, 40, [], budget=36, policy=policy)  # reuses the step and the cache
+        compiled = run(engine)
+        again = run(engine)  # reuses the step and the cache
     assert compiled == eager == again
-    # one compiled layer runs both layers; plus the two samplings (greedy rows only, some rows sampling)
-    assert counters["stats"]["unique_graphs"] == 3
+    # one compiled layer runs both layers, plus the two samplings (greedy rows only, some rows sampling): each
+    # once for batch 1 and once for every larger size of the ladder (here 2)
+    assert counters["stats"]["unique_graphs"] == 6
     assert all(len(o) == 40 for o in compiled)
 
 
@@ -445,13 +448,14 @@ def test_hub_id_not_in_cache_while_offline_says_how_to_download(tmp_path):
 @pytest.mark.parametrize("policy, budget", [("full", None)] + [(p, 53) for p in POLICIES if p != "full"])
 def test_cuda_graph_replay_matches_eager_and_never_recompiles(checkpoints, policy, budget):
     """On the GPU: the compiled step, replayed as a CUDA graph, against the same step run eagerly (budget 53,
-    vatp's smallest, and 80 new tokens: every rule evicts)."""
+    vatp's smallest, and 80 new tokens: every rule evicts). Three prompts on two rows: the graphs of both
+    sizes, 2 and then 1 for the last prompt alone."""
     model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.float32)
-    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps")]
-    eager, _ = Engine(model, compile=False).generate(prompts, 80, [], budget, policy)
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps"), tok.encode("Hello")]
+    eager, _ = Engine(model, compile=False).generate(prompts, 80, [], budget, policy, batch_size=2)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        graphed, _ = Engine(model, compile=True).generate(prompts, 80, [], budget, policy)
+        graphed, _ = Engine(model, compile=True).generate(prompts, 80, [], budget, policy, batch_size=2)
     assert graphed == eager
 
 

@@ -524,29 +524,32 @@ def test_ctrl_c_with_streams_open_ends_them_and_exits_cleanly(model_dir):
 
 
 def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
-    """A free row keeps decoding junk; unless its cache is emptied at every sync, a full cache's row fills
-    up and every step reads all of its slots."""
+    """A free row that the step still runs (the busy rows rounded up to a size of its ladder) decodes junk;
+    unless its cache is emptied at every sync, a full cache's row fills up and every step reads all of its
+    slots. Five rows (ladder 1, 2, 4, 5), four requests: when the short one ends, the last busy row moves into
+    its row, and the three busy rows run in the step of four, row 3 free."""
     import generate
     from policies import resolve_policy
     from sampling import Sampling
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = generate.Engine(model, compile=False)
 
-    class Feed:  # a short request and a long one, then the end
+    class Feed:  # a short request and three long ones, then the end
         given, ended = False, []
 
         def arrivals(self, idle):
             if not self.given:
                 self.given = True
-                return [([1, 2, 3], 2, set(), Sampling(), 0), ([1, 2], 100, set(), Sampling(), 0)]
+                return [([1, 2, 3], 2, set(), Sampling(), 0)] + [([1, 2], 100, set(), Sampling(), 0)] * 3
             return None if idle else []
         stopped = lambda self, i: False
         progress = lambda self, i, ids: None
         finished = lambda self, i, ids: self.ended.append(len(ids))
     feed, filled = Feed(), []
-    for _ in engine.serve(feed, 2, 300, resolve_policy(None, None)):
-        filled.append(engine.cache.layers[0].next_slot[0, 0].item())  # the short request's row
-    assert feed.ended == [2, 100] and len(filled) >= 6
+    for _ in engine.serve(feed, 5, 300, resolve_policy(None, None)):
+        if engine.stepper.size == 4:
+            filled.append(engine.cache.layers[0].next_slot[3, 0].item())  # the row freed by the move
+    assert feed.ended == [2, 100, 100, 100] and len(filled) >= 6
     assert max(filled[1:]) <= engine.sync_every  # emptied at every sync, not filling with junk
 
 
