@@ -49,7 +49,7 @@ from policies import POLICIES, RecentQueries, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, pick_device, sync_time
 from memory import batch_that_fits
-from sampling import Sampler
+from sampling import Sampler, Sampling
 from step import State, Stepper
 from cli import Parser, non_negative_int, positive_int, run_command
 import parallel
@@ -251,7 +251,7 @@ class StepTimer:
         self.state = State.empty(batch, self.device)
         t = time.perf_counter()
         sampler = Sampler.empty(batch, model.cfg.vocab_size, self.device)  # greedy rows, as the step runs any
-        self.stepper = Stepper(model, self.cache, self.state, sampler, compile)
+        self.stepper = Stepper(model, self.cache, self.state, sampler, compile, sizes=[batch])  # this batch alone
         self.setup_s = time.perf_counter() - t  # compiling and capturing the step, or (--no-compile) building it
 
     def seconds_per_step(self, filled: int, steps: int = 20) -> float:
@@ -427,7 +427,27 @@ def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
                                 batch_size=B, on_tokens=record)
     assert len(set(seen)) == 1, f"memory grew or something compiled while decoding: {seen}"
     steps = -(-(n - 1) // engine.sync_every) * engine.sync_every  # the engine steps in whole sync chunks
-    return dict(validate_tokens=n, predicted_ms_per_step=predicted * 1e3, real_ms_per_step=st.decode_s / steps * 1e3)
+    sizes = validate_shrinking(args, engine, prompts * 3, policy, B, seen[0])
+    return dict(validate_tokens=n, predicted_ms_per_step=predicted * 1e3, real_ms_per_step=st.decode_s / steps * 1e3,
+                validate_setup_s=st.setup_s, validate_step_sizes=sizes)  # setup: the engine's whole ladder
+
+
+def validate_shrinking(args, engine: Engine, prompts, policy: str, B: int, before: tuple) -> list[int]:
+    """The same engine on three times as many prompts, sampled, each ending at the first it draws of one id in
+    --validate / 4 (about a quarter of the tokens, on average): rows end at different steps and are refilled, so
+    the busy rows shrink and grow and the step runs at many sizes of its ladder. Nothing may compile and the
+    memory in use must stay what it was. Returns the sizes the step ran at."""
+    seen, sizes = [], set()
+    memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
+
+    def record(_):
+        seen.append((memory(), counters["stats"]["unique_graphs"]))
+        sizes.add(engine.stepper.size)
+    eos = list(range(0, engine.model.cfg.vocab_size, max(2, args.validate // 4)))
+    engine.generate(prompts, args.validate, eos, args.budget if policy != "full" else None, policy,
+                    Sampling(temperature=1.0), seed=0, batch_size=B, on_tokens=record)
+    assert set(seen) == {before}, f"memory grew or something compiled while the busy rows changed: {seen}"
+    return sorted(sizes)
 
 
 class TokenBar(ProgressBar):
@@ -560,15 +580,15 @@ def percentiles(values: list[float]) -> str:
     return f"{at(0.5):.1f} / {at(0.99):.1f}"
 
 
-async def load_run(args) -> dict:
-    """--requests requests with Poisson arrivals at --rate per second (all at once: inf), prompts of
+async def load_run(args, rate: float) -> dict:
+    """--requests requests with Poisson arrivals at `rate` per second (all at once: inf), prompts of
     --prompt-len random token ids."""
     import httpx
     gen = random.Random(0)
     clock, delays = 0.0, []
     for _ in range(args.requests):
         delays.append(clock)
-        clock += gen.expovariate(args.rate) if math.isfinite(args.rate) else 0.0
+        clock += gen.expovariate(rate) if math.isfinite(rate) else 0.0
     vocab = args.vocab
     prompts = [[gen.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -585,7 +605,9 @@ async def load_run(args) -> dict:
     # time per output token: a request's time from its first chunk to its last over its tokens after the
     # first (the server sends a chunk per host sync, 16 tokens, so gaps between chunks are not per token)
     tpot = [(r["chunks"][-1] - r["chunks"][0]) / max(1, args.new_tokens - 1) for r in ok if len(r["chunks"]) > 1]
-    return dict(workload="serve", requests=args.requests, completed=len(ok), rate=args.rate,
+    # the mean number of requests being decoded (from first chunk to last), which the server's step had to hold
+    busy = sum(r["chunks"][-1] - r["chunks"][0] for r in ok if r["chunks"]) / seconds
+    return dict(workload="serve", requests=args.requests, completed=len(ok), rate=rate, mean_busy_rows=busy,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, seconds=seconds,
                 tokens_per_s=sum(r["tokens"] for r in ok) / seconds,
                 ttft_ms_p50_p99=percentiles([r["chunks"][0] for r in ok]) if ok else None,
@@ -602,9 +624,11 @@ def bench_serve(args, hw, _):
         args.served_model = models["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise ValueError(f"no tinyflow server answers at {args.url} ({type(e).__name__}); start server.py first") from None
-    finished(asyncio.run(load_run(args)))
-    if ROWS[-1]["completed"] != args.requests:
-        raise ValueError(f"{args.requests - ROWS[-1]['completed']} of {args.requests} requests did not complete")
+    for rate in args.rate:
+        finished(asyncio.run(load_run(args, rate)))
+        if ROWS[-1]["completed"] != args.requests:
+            raise ValueError(f"{args.requests - ROWS[-1]['completed']} of {args.requests} requests did not "
+                             f"complete at --rate {rate}")
 
 
 ROWS = []  # every row measured so far, in order: what --json writes, also when the run is cut short
@@ -617,10 +641,13 @@ def finished(row: dict):
 
 
 def plot(rows, path):
-    """Throughput against batch size, one line per policy and budget (matplotlib: checked in check_args)."""
+    """Throughput against batch size, one line per policy and budget, or a serve sweep (matplotlib: checked in
+    check_args)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    if rows and rows[0]["workload"] == "serve":
+        return plot_serve(rows, path, plt)
     fig, ax = plt.subplots(figsize=(6, 4))
     label = lambda r: r["policy"] if r["policy"] == "full" else f"{r['policy']} {r['slots']}"
     for name in sorted({label(r) for r in rows}):
@@ -628,6 +655,18 @@ def plot(rows, path):
         ax.plot(*zip(*pts), marker="o", label=name)
     ax.set(xlabel="batch size", ylabel="tokens/s", xscale="log", title="decode throughput")
     ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def plot_serve(rows, path, plt):
+    """Time per output token (median) and served tokens/s against the offered load, one point per rate."""
+    fig, (slow, served) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = ["all at once" if math.isinf(r["rate"]) else f"{r['rate']:g}/s" for r in rows]
+    tpot = [float(r["tpot_ms_p50_p99"].split(" / ")[0]) if r["tpot_ms_p50_p99"] else math.nan for r in rows]
+    slow.plot(labels, tpot, marker="o")
+    slow.set(xlabel="requests per second (Poisson)", ylabel="ms per output token (p50)", title="time per token")
+    served.plot(labels, [r["tokens_per_s"] for r in rows], marker="o")
+    served.set(xlabel="requests per second (Poisson)", ylabel="tokens/s", title="served throughput")
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
@@ -680,7 +719,7 @@ READS = {
     "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype"},
     "hf": {"shape", "batch", "prompt_len", "new_tokens"},
-    "serve": {"url", "requests", "rate", "prompt_len", "new_tokens", "api_key", "vocab"},
+    "serve": {"url", "requests", "rate", "prompt_len", "new_tokens", "api_key", "vocab", "plot"},
     "checkpoint": {"shape", "out"},
 }
 
@@ -709,15 +748,16 @@ def parser() -> Parser:
                    help="throughput: also run this many new tokens end to end and compare with the prediction")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the running server.py")
     p.add_argument("--requests", type=positive_int, default=1000, help="serve: requests sent in all")
-    p.add_argument("--rate", type=positive_float, default=math.inf,
-                   help="serve: mean requests per second, Poisson arrivals (default: all at once)")
+    p.add_argument("--rate", type=positive_float, nargs="+", default=[math.inf],
+                   help="serve: mean requests per second, Poisson arrivals (default: all at once); several: a "
+                        "sweep, one load run of --requests each")
     p.add_argument("--vocab", type=positive_int, default=1000, help="serve: prompt ids are drawn below this")
     p.add_argument("--api-key", default=None, help="serve: the server's --api-key")
     p.add_argument("--out", default=None, help="checkpoint: the folder to write")
     p.add_argument("--dp", action="store_true", help="throughput under torchrun: a whole model per process (GPU), "
                    "tokens/s summed over them (without it, the model is split over the processes)")
     p.add_argument("--json", default=None, help="write the raw rows here")
-    p.add_argument("--plot", default=None, help="a PNG of throughput against batch size")
+    p.add_argument("--plot", default=None, help="a PNG of throughput against batch size (serve: against --rate)")
     return p
 
 
