@@ -205,6 +205,9 @@ class Stepper:
         self.views = {n: first_rows((cache, state, mode), n) for n in self.sizes}  # what the step at size n reads
         self.graphs, self.hot, self.size = {}, False, batch
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        # one side stream for every warm-up: the allocator caches freed memory per stream, so a stream per size
+        # would keep each size's step temporaries apart instead of reusing the largest's
+        self.stream = torch.cuda.Stream() if cuda else None
         for n in sorted(self.sizes, reverse=True):  # the largest first: the smaller graphs reuse its memory
             for hot in advance_fns:
                 if cuda:
@@ -220,12 +223,11 @@ class Stepper:
 
     def _warm_up(self, hot: bool, n: int):
         """Two steps (compile, autotune, allocate) off the capture stream, as CUDA graph capture needs."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             for _ in range(2):
                 self.step(hot, n)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(self.stream)
 
     def _capture(self, hot: bool, n: int):
         self.graphs[hot, n] = graph = torch.cuda.CUDAGraph()
