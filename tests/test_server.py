@@ -491,19 +491,26 @@ def test_no_part_of_a_stop_string_is_ever_given_out(tok):
         assert given == before and out.finish == "stop" and out.text["content"] == before
 
 
-def test_the_load_generator_reports_every_request_completed(server, tmp_path, monkeypatch, capsys):
+def test_the_load_generator_sweeps_its_rates_and_reports_every_request_completed(server, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Two rates, one load run of 12 requests each, in order; each row says how many rows were busy on average,
+    and the sweep is drawn."""
     import bench  # bench.py serve, run in this process (bench.main reads sys.argv)
-    out = tmp_path / "serve.json"
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     monkeypatch.setattr(sys, "argv", ["bench.py", "serve", "--url", server.url, "--requests", "12", "--rate", "50",
-                                      "--prompt-len", "8", "--new-tokens", "20", "--vocab", "300", "--json", str(out)])
+                                      "inf", "--prompt-len", "8", "--new-tokens", "20", "--vocab", "300", "--json",
+                                      str(out), "--plot", str(png)])
     monkeypatch.setattr(bench, "ROWS", [])  # the rows a process measured: this run's alone, as in a process
     try:
         bench.main()
     except SystemExit as e:
         assert e.code == 0, capsys.readouterr().err
-    row = json.loads(out.read_text())["rows"][0]
-    assert (row["requests"], row["completed"], row["new_tokens"]) == (12, 12, 20) and row["tokens_per_s"] > 0
-    assert row["ttft_ms_p50_p99"] and row["tpot_ms_p50_p99"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["rate"] for row in rows] == [50, None]  # inf is not JSON: written as null
+    for row in rows:
+        assert (row["requests"], row["completed"], row["new_tokens"]) == (12, 12, 20) and row["tokens_per_s"] > 0
+        assert row["ttft_ms_p50_p99"] and row["tpot_ms_p50_p99"] and 0 < row["mean_busy_rows"] <= 12
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_ctrl_c_with_streams_open_ends_them_and_exits_cleanly(model_dir):
