@@ -14,6 +14,11 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         kernel.triton.knobs.runtime.interpret = True
     del os.environ["TRITON_INTERPRET"]
 
+# Inductor's first CPU compile in a process checks each vector instruction set the CPU lists by building and
+# loading a C++ probe (about 10 s of g++ on a cold two-core machine, then a dlopen process per set in every later
+# process that compiles). The tests trust the CPU's own list instead, and so do the processes they start.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 import json  # noqa: E402
 import socket  # noqa: E402
 
@@ -93,6 +98,31 @@ def checkpoints(tmp_path_factory):
     return {"qwen3": write_checkpoint(root / "qwen3", "qwen3"),
             "qwen2": write_checkpoint(root / "qwen2", "qwen2"),
             "llama": write_checkpoint(root / "llama", "llama", max_shard_size="100KB")}
+
+
+@pytest.fixture(scope="session")
+def tp_checkpoints(checkpoints, tmp_path_factory):
+    """For tensor parallel over two ranks: Qwen3 (2 KV heads, GQA 2:1, tied embeddings), Qwen2 (4 KV heads, 1:1,
+    qkv bias), and a Llama of 2 KV heads (GQA 2:1, sharded files) with an odd vocabulary (321: the lm_head
+    splits 161 / 160)."""
+    llama = write_checkpoint(tmp_path_factory.mktemp("tp") / "llama", "llama", kv_heads=2, vocab=321,
+                             max_shard_size="100KB")
+    return {"qwen3": checkpoints["qwen3"], "qwen2": checkpoints["qwen2"], "llama": llama}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_runs(request, tmp_path_factory):
+    """test_parallel.py's multi-process runs (torchrun), started when the session starts and run beside it at
+    the lowest CPU priority (test_parallel.started): name -> a future of the run's result. Nothing when none of
+    those tests is selected."""
+    selected = {item.originalname for item in request.session.items if item.path.name == "test_parallel.py"}
+    if not selected:
+        yield {}
+        return
+    import test_parallel
+    with test_parallel.started(selected, request.getfixturevalue("tp_checkpoints"),
+                               request.getfixturevalue("checkpoints"), tmp_path_factory) as runs:
+        yield runs
 
 
 @pytest.fixture(scope="session")
