@@ -150,7 +150,9 @@ def test_compiled_scoring_step_matches_eager_and_never_recompiles(checkpoints, d
     (greedy argmax exactly; log-probabilities to float32 rounding, as the compiler fuses the log-softmax),
     and other continuations, of other lengths, reuse the compiled step."""
     from torch._dynamo.utils import counters
-    llm = tinyflow.LLM(str(checkpoints["llama"]), budget=36, device=device, dtype="float32", compile=False)
+    # Qwen3 at budget 36 on two rows: the layer's shapes of test_generate's compiled step, whose code the compiler
+    # then finds in its on-disk cache
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), budget=36, device=device, dtype="float32", compile=False)
     prompts = [llm.tokenizer.encode(p) for p, _ in TEXTS[:2]]
     conts = [llm.tokenizer.encode(TEXTS[2][1] * 3)[:60], llm.tokenizer.encode(TEXTS[0][1] * 3)[:60]]
     eager = llm.score(prompts, conts)
@@ -159,7 +161,7 @@ def test_compiled_scoring_step_matches_eager_and_never_recompiles(checkpoints, d
     others = [conts[1][:45], conts[0][:50]]  # other tokens, other lengths: the same continuation buffer
     eager_others = llm.score(prompts[::-1], others)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = tinyflow.LLM(str(checkpoints["llama"]), budget=36, device=device, dtype="float32")
+        compiled = tinyflow.LLM(str(checkpoints["qwen3"]), budget=36, device=device, dtype="float32")
         first = compiled.score(prompts, conts)
         again = compiled.score(prompts[::-1], others)
     # one compiled layer for both layers, plus the forcing: each for batch 1 and for the larger sizes (here 2)
