@@ -41,7 +41,6 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
 import kernel
 from cache import KV_DTYPES, KVCache
@@ -407,6 +406,13 @@ def data_parallel_row(row: dict) -> dict:
                 tokens_per_s_per_rank=[r["tokens_per_s"] for r in rows])
 
 
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has made in this process (torch._dynamo imported here, when a run is
+    validated: importing it takes a second of every start)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
     """Check the method once against reality: a real run of --validate new tokens through the engine
     (prefill, graph replays, host syncs) against the step time predicted for the same fills. The run
@@ -421,7 +427,7 @@ def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
     memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
     with TokenBar(n, f"validate {policy}, batch {B}") as bar:
         def record(out):
-            seen.append((memory(), counters["stats"]["unique_graphs"]))
+            seen.append((memory(), graphs_compiled()))
             bar(out)
         _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0,
                                 batch_size=B, on_tokens=record)
@@ -441,7 +447,7 @@ def validate_shrinking(args, engine: Engine, prompts, policy: str, B: int, befor
     memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
 
     def record(_):
-        seen.append((memory(), counters["stats"]["unique_graphs"]))
+        seen.append((memory(), graphs_compiled()))
         sizes.add(engine.stepper.size)
     eos = list(range(0, engine.model.cfg.vocab_size, max(2, args.validate // 4)))
     engine.generate(prompts, args.validate, eos, args.budget if policy != "full" else None, policy,
