@@ -34,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no traceback (main() restores Ctrl-C)
     signal.signal(signal.SIGINT, lambda *_: os._exit(print("interrupted", file=sys.stderr) or 130))
@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 
 import kernel
-from cache import KV_DTYPES, KVCache
+from cache import KV_DTYPES, KVCache, Layer
 from policies import POLICIES, RecentQueries, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, pick_device, sync_time
-from memory import batch_that_fits
+from memory import batch_that_fits, device_free_bytes
 from sampling import Sampler, Sampling
 from step import State, Stepper
 from cli import Parser, non_negative_int, positive_int, run_command
@@ -301,13 +301,21 @@ def fill_cache(cache: KVCache, filled: int):
         layer.pos.fill_(-1)
         layer.pos[..., :filled] = torch.arange(filled, dtype=torch.int32, device=layer.pos.device)
         layer.next_slot.fill_(min(filled, cache.slots - 1))
-        held = cache.with_values(layer)  # a layer at a time (an FP8 cache's dequantized)
         for name, kept in cache.policy.keeps.items():
-            value = kept.recompute(held)
-            if value is None:  # history: nothing accumulated yet (as a new token starts), random queries
+            if kept.recompute(cache.with_values(rows_of(layer, 0, 1))) is None:  # history: nothing accumulated yet
+                # (as a new token starts), random queries
                 layer.kept[name].normal_() if isinstance(kept, RecentQueries) else layer.kept[name].zero_()
-            else:
-                layer.kept[name].copy_(value)
+                continue
+            for b in range(0, len(layer.pos), 16):  # 16 rows at a time: the values recomputed from (an FP8
+                # cache's dequantized, fp32) K and V of a whole layer would take gigabytes the step never needs
+                layer.kept[name][b:b + 16] = kept.recompute(cache.with_values(rows_of(layer, b, b + 16)))
+
+
+def rows_of(layer: Layer, start: int, end: int) -> Layer:
+    """Rows start..end-1 of a layer's slots and of what its policy keeps (a one-row stand-in stays as it is)."""
+    cut = lambda t: t[start:end] if t.shape[0] > 1 else t
+    return replace(layer, **{name: cut(getattr(layer, name)) for name in Layer.ROWS if name != "kept"},
+                   kept={name: cut(t) for name, t in layer.kept.items()})
 
 
 def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[str]]:
@@ -364,7 +372,7 @@ def bench_throughput(args, hw: Machine, model):
         slots = slots_for(policy, args)
         fits = None
         if args.device.type == "cuda":
-            fits = model.tp.smallest(batch_that_fits(model.cfg, slots, args.prompt_len, torch.cuda.mem_get_info()[0],
+            fits = model.tp.smallest(batch_that_fits(model.cfg, slots, args.prompt_len, device_free_bytes(args.device),
                                                      args.dtype, kv_dtype=KV_DTYPES[args.kv_dtype]))
         if not args.batch and fits == 0:
             raise ValueError(f"not even one sequence of {slots} KV slots ({policy}) fits in free GPU memory; "

@@ -37,9 +37,18 @@ def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extr
     return max(0, (free - fixed) // bytes_per_row(cfg, slots, dtype, extra, kv_dtype))
 
 
+def device_free_bytes(device) -> int:
+    """Free GPU memory as PyTorch can use it: the device's, and what its caching allocator holds for no tensor
+    (a benchmark's probe copies, the last cache's step buffers): the allocator gives that back to a new
+    allocation that needs it. The device's own count alone left out the 8 GiB that bench.py's bandwidth probe
+    had used (docs/performance.md, "The memory planner")."""
+    return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+
+
 def free_bytes(engine) -> int:
     """Free GPU memory, counting the engine's current cache, which is given back before a new one is made."""
-    free = torch.cuda.mem_get_info(engine.device)[0]
+    free = device_free_bytes(engine.device)
     if engine.cache is not None:
         free += KVCache.bytes_needed(engine.model.cfg, engine.state.tokens.shape[0], engine.cache.slots,
                                      engine.dtype, engine.cache.policy, engine.kv_dtype)

@@ -304,3 +304,26 @@ def test_bench_checkpoint_writes_the_random_weights_as_a_folder_that_loads_exact
     for name, p in want.named_parameters():
         assert torch.equal(got[name], p.to(torch.bfloat16).float()), name
     assert llm.tokenizer.encode("t5 t17 t0") == [5, 17, 0]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_a_filled_cache_keeps_what_each_policy_computes_from_its_slots(kv_dtype):
+    """bench.py times steps on a cache it fills with random tokens: what each policy keeps beside the slots is
+    recomputed from them (16 rows at a time, here 20 rows: two parts), history (accumulated scores, recent
+    queries) is what a new token starts with."""
+    import bench as bench_module
+    from cache import KVCache
+    from model import Config
+    from policies import POLICIES, Accumulated, KeySum, PerSlot
+    cfg = Config.from_dict(bench_module.SHAPES["tiny"])
+    for name, policy in POLICIES.items():
+        cache = KVCache(cfg, 20, 48, "cpu", torch.bfloat16, policy, kv_dtype=kv_dtype)
+        bench_module.fill_cache(cache, 40)
+        for layer in cache.layers:
+            assert layer.pos[..., :40].eq(torch.arange(40)).all() and layer.pos[..., 40:].eq(-1).all()
+            for kept_name, kept in policy.keeps.items():
+                if isinstance(kept, (PerSlot, KeySum)):
+                    torch.testing.assert_close(layer.kept[kept_name], kept.recompute(cache.with_values(layer)),
+                                               rtol=0, atol=0, msg=f"{name}: {kept_name}")
+                elif isinstance(kept, Accumulated):
+                    assert layer.kept[kept_name].eq(0).all(), f"{name}: {kept_name} starts at 0"
