@@ -2,6 +2,7 @@
 each engine file.
 
     python tests/read_the_code.py        # prints the README's two tables
+    python tests/read_the_code.py --write   # puts them into README.md
 
 One decode step with the default policy (LongFlow), in reading order: the batch loop, the step, the model,
 the cache, the policy, the kernel's PyTorch reference (the Triton kernel computes the same), sampling.
@@ -85,5 +86,13 @@ def tables() -> str:
     return f"{step}\n\nThe longest function on that path: {n} lines ({name}).\n\n{file_table()}"
 
 
+def write_readme():
+    """Put the tables into README.md between its sizes markers."""
+    readme = ROOT / "README.md"
+    text, opening, closing = readme.read_text(), "<!-- sizes: python tests/read_the_code.py -->\n", "<!-- /sizes -->"
+    start, end = text.index(opening) + len(opening), text.index(closing)
+    readme.write_text(text[:start] + tables() + "\n" + text[end:])
+
+
 if __name__ == "__main__":
-    print(tables())
+    write_readme() if sys.argv[1:] == ["--write"] else print(tables())
