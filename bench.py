@@ -42,6 +42,7 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 import torch
 import torch.nn.functional as F
 
+import fp8
 import kernel
 from cache import KV_DTYPES, KVCache, Layer
 from policies import POLICIES, RecentQueries, resolve_policy
@@ -50,7 +51,7 @@ from generate import Engine, pick_device, sync_time
 from memory import batch_that_fits, device_free_bytes
 from sampling import Sampler, Sampling
 from step import State, Stepper
-from cli import Parser, non_negative_int, positive_int, run_command
+from cli import Parser, add_weights_option, non_negative_int, positive_int, run_command
 import parallel
 from model import Config, checkpoint_params, empty_model, load
 from parallel import SINGLE, Group
@@ -88,14 +89,20 @@ def copy_bandwidth(device) -> float:
 
 
 def matmul_rate(device, dtype) -> float:
-    """FLOP/s of a large matrix product in the model's dtype (8192^3 on a GPU): the compute side of the
-    roofline, measured in the same run as the bandwidth."""
+    """FLOP/s of a large matrix product in the model's dtype (8192^3 on a GPU), or with dtype fp8.FP8 of e4m3
+    matrices on the FP8 tensor cores (cuBLAS, through torch._scaled_mm): the compute side of the roofline,
+    measured in the same run as the bandwidth."""
     n = 8192 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16 if dtype == fp8.FP8 else dtype) for _ in range(2))
+    product = lambda: a @ b
+    if dtype == fp8.FP8:
+        one = torch.ones((), device=device)
+        a, b = a.to(dtype), b.to(dtype).T  # _scaled_mm takes its second matrix column-major
+        product = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
     times = []
     for _ in range(11):
         t = sync_time(device)
-        a @ b
+        product()
         times.append(sync_time(device) - t)
     return 2 * n**3 / sorted(times[1:])[5]
 
@@ -105,6 +112,7 @@ class Machine:
     """What the floor of a step is measured against, both measured at the start of the run."""
     bandwidth: float  # bytes/s of a device-to-device copy
     matmul_rate: float  # FLOP/s of a large matrix product
+    fp8_matmul_rate: float = math.nan  # of one on the FP8 tensor cores, measured for FP8 weights on a GPU
 
 
 def peak_gib(device) -> float:
@@ -195,8 +203,12 @@ def random_model(cfg: Config, device, dtype, seed: int = 0, tp: Group = SINGLE):
 
 def make_model(args):
     if args.model:
-        return load(args.model, args.device, args.dtype, args.tp)[0]
-    return random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype, tp=args.tp)
+        return load(args.model, args.device, args.dtype, args.tp, args.weights)[0]
+    model = random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype, tp=args.tp)
+    if args.weights == "fp8":
+        fp8.check_split(model.full_cfg, args.tp)
+        fp8.convert(model, quantize=True)
+    return model
 
 
 def save_checkpoint(args, hw, model):
@@ -226,12 +238,28 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llam
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads from the weights: all of them, but of the input embedding only B rows, and
-    of a tied one the rows its lm_head uses (all of them, or this rank's share under tensor parallel)."""
+    """Bytes a decode step reads from the weights: all of them (FP8 ones a byte each, and their block factors),
+    but of the input embedding only B rows, and of a tied one the rows its lm_head uses (all of them, or this
+    rank's share under tensor parallel)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - unread_embedding_rows(model) * model.model.embed_tokens.weight.element_size()
+
+
+def weights_read(model) -> int:
+    """How many weights a step multiplies each token by (weight_bytes' weights, counted, not their bytes)."""
+    total = sum(p.numel() for name, p in model.named_parameters() if not name.endswith("weight_scale_inv"))
+    return total - unread_embedding_rows(model)
+
+
+def unread_embedding_rows(model) -> int:
+    """The input embedding's weights a step does not read: all but B rows, or but the lm_head's if tied."""
     embed = model.model.embed_tokens.weight
     head_rows = len(range(embed.shape[0])[model.vocab_part]) if model.cfg.tie_embeddings else 0
-    return total - (embed.shape[0] - head_rows) * embed.shape[1] * embed.element_size()
+    return (embed.shape[0] - head_rows) * embed.shape[1]
+
+
+def has_fp8_weights(model) -> bool:
+    return isinstance(model.model.layers[0].mlp.down_proj, fp8.Fp8Linear)
 
 
 class StepTimer:
@@ -325,16 +353,19 @@ def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[
     seconds and the parts that are compute-bound."""
     model, cfg, B = timer.model, timer.model.cfg, timer.batch
     read = timer.slots if timer.policy != "full" else filled
-    parts = {"weights": (weight_bytes(model), 2 * B * weight_bytes(model) / timer.dtype.itemsize),
+    parts = {"weights": (weight_bytes(model), 2 * B * weights_read(model)),
              "attention": (timer.kv_bytes_read(filled), 4 * B * cfg.n_layers * cfg.n_heads * read * cfg.head_dim)}
-    times = {name: (n_bytes / hw.bandwidth, flops / hw.matmul_rate) for name, (n_bytes, flops) in parts.items()}
+    rates = {"weights": hw.fp8_matmul_rate if has_fp8_weights(model) and B > fp8.WEIGHT_ONLY_ROWS else hw.matmul_rate,
+             "attention": hw.matmul_rate}
+    times = {name: (n_bytes / hw.bandwidth, flops / rates[name]) for name, (n_bytes, flops) in parts.items()}
     return sum(max(t) for t in times.values()), [name for name, (memory, compute) in times.items() if compute > memory]
 
 
 def step_row(timer: StepTimer, filled: int, hw: Machine, **extra) -> dict:
     t = timer.seconds_per_step(filled)
     floor, compute_bound = step_floor(timer, filled, hw)
-    return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, batch=timer.batch, slots=timer.slots, kv_tokens=filled,
+    return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, weights="fp8" if has_fp8_weights(timer.model) else "auto",
+                batch=timer.batch, slots=timer.slots, kv_tokens=filled,
                 ms_per_step=t * 1e3,
                 tokens_per_s=timer.batch / t, floor_fraction=floor / t, compute_bound=compute_bound,
                 **setup_time(timer.setup_s, timer.compile),
@@ -387,7 +418,8 @@ def bench_throughput(args, hw: Machine, model):
             steps = [step_row(timer, f, hw) for f in fills]
             ms = run_mean([r["ms_per_step"] for r in steps])
             floor_ms = run_mean([r["ms_per_step"] * r["floor_fraction"] for r in steps])
-            rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype, batch=B, slots=slots,
+            rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype, weights=args.weights,
+                             batch=B, slots=slots,
                              fits=fits,
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
                              floor_fraction=floor_ms / ms, compute_bound=steps[-1]["compute_bound"],
@@ -514,7 +546,8 @@ def prefill_floor(model, tokens: int, hw: Machine) -> float:
     and causal attention's 4 FLOPs per query head, dimension and (query, key at or before it) pair (the
     embedding lookup and the last token's lm_head are negligible; so is SnapKV's scoring)."""
     cfg = model.cfg
-    layer_weights = sum(p.numel() for p in model.model.layers.parameters())
+    layer_weights = sum(p.numel() for name, p in model.model.layers.named_parameters()
+                        if not name.endswith("weight_scale_inv"))
     attention = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * tokens * (tokens + 1) // 2
     return (2 * tokens * layer_weights + attention) / hw.matmul_rate
 
@@ -698,6 +731,7 @@ def finite(x):
 def write_json(path: str, args, hw: Machine, complete: bool):
     """The rows measured so far and the options as given; complete is false for a run cut short."""
     record = dict(bandwidth=hw and hw.bandwidth, matmul_rate=hw and hw.matmul_rate,  # None: serve measures none
+                  fp8_matmul_rate=hw and (None if math.isnan(hw.fp8_matmul_rate) else hw.fp8_matmul_rate),
                   device=str(args.device), torch=torch.__version__, complete=complete,
                   args=vars(args), rows=ROWS)
     with open(path, "w") as f:  # default=str: the device and the dtype
@@ -727,11 +761,13 @@ WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_thr
 # refused; --device and --json apply to all.
 READS = {
     "kernel": {"batch", "slots"},
-    "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot", "kv_dtype"},
+    "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot", "kv_dtype",
+             "weights"},
     "throughput": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype",
-                   "validate", "plot", "dp"},
-    "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype"},
-    "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype"},
+                   "validate", "plot", "dp", "weights"},
+    "generate": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype",
+                 "weights"},
+    "long-prompt": {"shape", "model", "budget", "prompt_len", "new_tokens", "compile", "kv_dtype", "weights"},
     "hf": {"shape", "batch", "prompt_len", "new_tokens"},
     "serve": {"url", "requests", "rate", "prompt_len", "new_tokens", "api_key", "vocab", "plot"},
     "checkpoint": {"shape", "out"},
@@ -758,6 +794,7 @@ def parser() -> Parser:
     p.add_argument("--profile", action="store_true", help="step: print the step's slowest kernels (needs a GPU)")
     p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
                    help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 and per-slot scales)")
+    add_weights_option(p)
     p.add_argument("--validate", type=non_negative_int, default=0,
                    help="throughput: also run this many new tokens end to end and compare with the prediction")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the running server.py")
@@ -926,8 +963,11 @@ def benchmark(args):
     hw = None
     if args.workload not in ("serve", "checkpoint"):  # the server's machine is measured by the server's own runs
         hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
+        if args.weights == "fp8" and args.device.type == "cuda":
+            hw.fp8_matmul_rate = matmul_rate(args.device, fp8.FP8)
+        fp8_rate = "" if math.isnan(hw.fp8_matmul_rate) else f" (fp8 {per_second(hw.fp8_matmul_rate, 'FLOP')})"
         print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
-              f"copy bandwidth {per_second(hw.bandwidth, 'B')}, matmul {per_second(hw.matmul_rate, 'FLOP')}, "
+              f"copy bandwidth {per_second(hw.bandwidth, 'B')}, matmul {per_second(hw.matmul_rate, 'FLOP')}{fp8_rate}, "
               f"{'random weights of ' + args.shape + ' shape' if not args.model else args.model}", flush=True)
     try:
         for one in sweep(args):

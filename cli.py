@@ -9,7 +9,7 @@ import sys
 import parallel
 from cache import KV_DTYPES
 from policies import POLICIES, PROMPT_RULES
-from model import DTYPES
+from model import DTYPES, WEIGHTS
 
 
 # ---- parsing -------------------------------------------------------------------------------------------
@@ -81,10 +81,18 @@ def add_cache_options(p: Parser):
     p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
                    help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 and a scale per token "
                         "and KV head: half the bytes of bf16)")
+    add_weights_option(p)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+
+
+def add_weights_option(p: Parser):
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="the layers' linear weights: auto (as the checkpoint stores them: 16-bit, or FP8 blocks "
+                        "for an FP8 checkpoint) or fp8 (quantized at load into e4m3 with a factor per 128 x 128 "
+                        "block: half the bytes of bf16)")
 
 
 # ---- refusals: options that would be ignored --------------------------------------------------------------

@@ -412,15 +412,15 @@ def needle_kept(llm, conv: list[dict], item: dict, ids: list[int] | None = None)
 # Running a model: one JSONL line per (item, sample), resumable, then a summary.
 
 def run_file(out_dir: Path, data: str, policy: str, budget: int | None, rule: str = "snapkv",
-             kv_dtype: str = "auto") -> Path:
-    return out_dir / f"{Path(data).stem}_{run_name(policy, budget, rule, '_', kv_dtype)}.jsonl"
+             kv_dtype: str = "auto", weights: str = "auto") -> Path:
+    return out_dir / f"{Path(data).stem}_{run_name(policy, budget, rule, '_', kv_dtype, weights)}.jsonl"
 
 
-def run_name(policy: str, budget: int | None, rule: str, sep=":", kv_dtype: str = "auto") -> str:
-    """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV; :fp8 at the end
-    for an FP8 cache."""
+def run_name(policy: str, budget: int | None, rule: str, sep=":", kv_dtype: str = "auto", weights: str = "auto") -> str:
+    """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV; then :fp8 for an FP8
+    cache and :fp8-weights for FP8 weights."""
     return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []) +
-                    (["fp8"] if kv_dtype == "fp8" else []))
+                    (["fp8"] if kv_dtype == "fp8" else []) + (["fp8-weights"] if weights == "fp8" else []))
 
 
 ROW_KEYS = ("index", "sample", "correct", "tokens", "budget_full")  # what resuming and summaries read of a row
@@ -772,10 +772,11 @@ def self_texts(llm, model: str, n: int, tokens: int, seed: int, path: Path) -> l
 
 
 def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
-                       batch_size: int | None, kv_dtype: str = "auto") -> tuple[list, list[list]]:
+                       batch_size: int | None, kv_dtype: str = "auto", runs_model=None) -> tuple[list, list[list]]:
     """Score every text with the full cache and with each (policy, budget, prompt rule) run, advancing them in turn
     one host sync at a time. Returns the full cache's scores and, per run, its scores with a "kl" list
-    per text (KL(full || run) at every position)."""
+    per text (KL(full || run) at every position). runs_model: the runs' model (default llm's; the reference's is
+    llm's, in every case)."""
     from cache import KV_DTYPES
     from policies import resolve_policy
     from generate import Engine
@@ -799,9 +800,11 @@ def score_in_lock_step(llm, texts: list[dict], runs: list[tuple[str, int, str]],
                 del reference[p, index]
         return on_dists
 
-    # the reference keeps the model's dtype; the runs store their cache in kv_dtype
-    engines = [Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype] if i else None,
-                      allow_long_context=llm.engine.allow_long_context) for i in range(len(runs) + 1)]
+    # the reference keeps the checkpoint's weights and the model's dtype; the runs run runs_model and store their
+    # cache in kv_dtype
+    engines = [Engine(runs_model or llm.model if i else llm.model, compile=llm.engine.compile,
+                      kv_dtype=KV_DTYPES[kv_dtype] if i else None, allow_long_context=llm.engine.allow_long_context)
+               for i in range(len(runs) + 1)]
     steps = [engines[0].score_steps(prompts, conts, None, "full", batch_size, on_dists=keep)]
     for r, (engine, (policy, budget, rule)) in enumerate(zip(engines[1:], runs)):
         steps.append(engine.score_steps(prompts, conts, budget, resolve_policy(policy, budget, prompt_rule=rule),
@@ -848,13 +851,13 @@ def compare_scores(full, run, kl, measure_from: int, seed: int = 0) -> dict:
 
 
 def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: int, full_outs,
-                    kv_dtype: str = "auto") -> dict:
+                    kv_dtype: str = "auto", runs_model=None) -> dict:
     """Greedy generation of `tokens` tokens from each text's prompt against the full cache's: the first
     position where they differ (tokens if none) and the share of equal positions, averaged over texts."""
     from cache import KV_DTYPES
     from generate import Engine
     policy, budget, rule = run
-    engine = Engine(llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype],
+    engine = Engine(runs_model or llm.model, compile=llm.engine.compile, kv_dtype=KV_DTYPES[kv_dtype],
                     allow_long_context=llm.engine.allow_long_context)
     outs, _ = engine.generate([t["prompt"] for t in texts], tokens, [], budget, policy, prompt_rule=rule)
     first = [next((i for i, (a, b) in enumerate(zip(o, f)) if a != b), tokens) for o, f in zip(outs, full_outs)]
@@ -864,7 +867,7 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
 
 def policy_label(summary: dict) -> str:
     rule = summary["prompt_compression"]
-    fp8 = " fp8" if summary.get("kv_dtype") == "fp8" else ""
+    fp8 = (" fp8" if summary.get("kv_dtype") == "fp8" else "") + (" fp8-weights" if summary.get("weights") == "fp8" else "")
     return summary["policy"] + fp8 + ("" if rule == "snapkv" else f" ({rule} prompts)")
 
 
@@ -928,6 +931,9 @@ def parse_fidelity_args(argv):
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                    help="the compared runs' KV cache (the reference stays in the model's dtype); with fp8, "
                         "`full` is a run too: every token kept, in FP8")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp8"],
+                   help="the compared runs' linear weights (the reference keeps the checkpoint's): fp8 quantizes them "
+                        "at load into FP8 blocks (fp8.py); then `full` is a run too")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -955,13 +961,15 @@ def run_fidelity(args):
     import time
 
     import tinyflow
-    runs = fidelity_runs(args.runs, args.kv_dtype)
+    runs = fidelity_runs(args.runs, args.kv_dtype != "auto" or args.weights != "auto")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = []  # the runs whose results are on disk: what an interrupted sweep reports
     try:
-        llm = tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
-                           allow_long_context=args.allow_long_context)
+        load = lambda weights: tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
+                                            allow_long_context=args.allow_long_context, weights=weights)
+        llm = load("auto")
+        runs_model = llm.model if args.weights == "auto" else load(args.weights).model  # the compared runs' weights
         if "self" in args.texts:  # the model's answers are asked through its chat template
             check_chat_template(llm, args.model)
         texts = rust_texts(llm.tokenizer, args.rust_texts, args.prompt_tokens, args.tokens) \
@@ -973,7 +981,8 @@ def run_fidelity(args):
         # the numbers depend on the dtype and, to rounding, the device; and on the very tokens read
         settings.update(device=llm.device.type, dtype=str(llm.dtype), texts_sha256=hashlib.sha256(
             json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
-        path = lambda policy, budget, rule: out_dir / f"fidelity_{run_name(policy, budget, rule, '_', args.kv_dtype)}.json"
+        name = lambda run, sep=":": run_name(*run, sep, args.kv_dtype, args.weights)
+        path = lambda *run: out_dir / f"fidelity_{name(run, '_')}.json"
         todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
         saved += [r for r in runs if r not in todo]
         llm.set_policy(None, "full")
@@ -983,18 +992,18 @@ def run_fidelity(args):
         # together; the price is scoring the full cache once per budget
         for budget in sorted({r[1] for r in todo}, key=lambda b: b or 0):
             group = [r for r in todo if r[1] == budget]
-            print(f"fidelity: budget {budget or 'all'}: {', '.join(run_name(*r, kv_dtype=args.kv_dtype) for r in group)} "
-                  f"against the full cache, "
+            print(f"fidelity: budget {budget or 'all'}: {', '.join(map(name, group))} against the full cache, "
                   f"{len(texts)} texts x {args.tokens} tokens")
             start = time.perf_counter()
-            full, scored = score_in_lock_step(llm, texts, group, args.batch_size, args.kv_dtype)
+            full, scored = score_in_lock_step(llm, texts, group, args.batch_size, args.kv_dtype, runs_model)
             group_seconds = time.perf_counter() - start
             measure_from = args.tokens - args.measure_last
             full_nll = -sum(x[1] for f in full for x in f[measure_from:]) / (len(full) * args.measure_last)
             for run, (scores, kl) in zip(group, scored):
                 summary = dict(policy=run[0], budget=budget, prompt_compression=run[2], kv_dtype=args.kv_dtype,
-                               **compare_scores(full, scores, kl, measure_from),
-                               **free_generation(llm, texts, run, args.free_tokens, full_free, args.kv_dtype),
+                               weights=args.weights, **compare_scores(full, scores, kl, measure_from),
+                               **free_generation(llm, texts, run, args.free_tokens, full_free, args.kv_dtype,
+                                                 runs_model),
                                full_nll=full_nll, texts=[t["name"] for t in texts], group_seconds=group_seconds,
                                settings=settings)
                 write_atomically(path(*run), json.dumps(summary, indent=1))
@@ -1005,14 +1014,15 @@ def run_fidelity(args):
                     "to resume with the rest")
 
 
-def fidelity_runs(specs: list[str], kv_dtype: str = "auto") -> list[tuple[str, int, str]]:
+def fidelity_runs(specs: list[str], full_runs: bool = False) -> list[tuple[str, int, str]]:
     """The runs to compare, checked before anything loads: a policy or budget that cannot work fails now,
-    not after an hour. The full cache is the reference, so a `full` run is dropped, unless it stores FP8."""
+    not after an hour. The full cache is the reference, so a `full` run is dropped, unless full_runs (its cache or
+    its weights in FP8: not the reference)."""
     from policies import resolve_policy
     runs = [parse_run(r) for r in specs]
     if any(r[1] is None for r in runs if r[0] != "full"):
         raise ValueError("every compressed run needs a budget: write POLICY:BUDGET, e.g. longflow:64")
-    runs = list(dict.fromkeys(r for r in runs if r[0] != "full" or kv_dtype == "fp8"))
+    runs = list(dict.fromkeys(r for r in runs if r[0] != "full" or full_runs))
     if not runs:
         raise ValueError("give at least one compressed run to compare with the full cache, e.g. longflow:64")
     for policy, budget, rule in runs:
@@ -1110,6 +1120,9 @@ def parse_args(argv):
     p.add_argument("--out", default="runs", help="folder for the JSONL, summary and table")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache's storage: auto (the model's dtype) or fp8 (its runs' files end in _fp8)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp8"],
+                   help="the linear weights: auto (as the checkpoint stores them) or fp8 (quantized at load into FP8 "
+                        "blocks; its runs' files end in _fp8-weights)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -1179,7 +1192,7 @@ def run_main(args):
     digest = dataset_digest(items)  # of every row, so that a larger --limit resumes the same run
     items = items[:args.limit]
     out_dir = Path(args.out)
-    paths = [run_file(out_dir, args.data, *run, kv_dtype=args.kv_dtype) for run in runs]
+    paths = [run_file(out_dir, args.data, *run, kv_dtype=args.kv_dtype, weights=args.weights) for run in runs]
     locks = []
     try:
         # every run locked, and its earlier rows read, before the model loads: by rank 0 under torchrun, which
@@ -1230,7 +1243,8 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     policy, budget, _ = runs[0]
     import parallel
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,
-                       allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype, data_parallel=args.dp)
+                       allow_long_context=args.allow_long_context, kv_dtype=args.kv_dtype, weights=args.weights,
+                       data_parallel=args.dp)
     check_chat_template(llm, args.model)
     sampling = asdict(sampling_from_flags(proto.sampling, llm.tokenizer.defaults))
     settings = dict(model=args.model, data=args.data, data_sha256=digest, protocol=args.protocol, system=proto.system,
@@ -1247,6 +1261,7 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
             before = read_json(summary_path) or {}
             summary.update({k: before.get(k) for k in ("tokens_per_s", "kv_bytes")})
         summaries.append(dict(summary, policy=policy, budget=budget, prompt_compression=rule, kv_dtype=args.kv_dtype,
+                              weights=args.weights,
                               data=args.data,
                               model=args.model, protocol=args.protocol, sampling=sampling))
         if parallel.rank() == 0:

@@ -547,7 +547,7 @@ def run(args):
     text = parallel.on_rank0(lambda: read_prompt(args))  # standard input is rank 0's
     if not text.strip():
         raise ValueError("the prompt is empty; give some text with --prompt or --prompt-file")
-    model, tok = load(args.model, device, dtype, tp)
+    model, tok = load(args.model, device, dtype, tp, args.weights)
     sampling = sampling_from_flags(vars(args), tok.defaults)
     check_sampling_args(args, sampling)
     ids = prompt_ids(tok, text, args)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
+import fp8
 from cache import KVCache, Layer
 from policies import is_int
 from parallel import SINGLE, Group
@@ -40,6 +41,7 @@ class Config:
     qk_norm: bool  # Qwen3
     eos_token_id: list
     max_position_embeddings: int | None  # the trained context (None: not stated); longer is refused
+    fp8_blocks: bool = False  # the checkpoint stores its layers' linear weights in FP8 blocks (fp8.py)
 
     @classmethod
     def from_dict(cls, c: dict) -> "Config":
@@ -61,7 +63,8 @@ class Config:
             qkv_bias=kind == "qwen2" or c.get("attention_bias", False),
             qk_norm=kind == "qwen3",
             eos_token_id=[] if eos is None else eos if isinstance(eos, list) else [eos],
-            max_position_embeddings=c.get("max_position_embeddings"))
+            max_position_embeddings=c.get("max_position_embeddings"),
+            fp8_blocks="quantization_config" in c)
 
 
 def without_nulls(c: dict) -> dict:
@@ -111,6 +114,8 @@ def check_config(c):
     if c.get("mlp_bias"):
         raise ValueError("MLP biases are not supported (mlp_bias is true in config.json)")
     check_rope(c)
+    if "quantization_config" in c:
+        fp8.check_quantization_config(c["quantization_config"])
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in c]
     if missing:
@@ -386,7 +391,10 @@ def checkpoint_params(model: Transformer) -> dict[str, torch.Tensor]:
         if module not in FUSED:
             params[name] = p
             continue
-        for part, rows in zip(FUSED[module], p.split(model.get_submodule(parent).sizes)):
+        sizes = model.get_submodule(parent).sizes
+        if rest == "weight_scale_inv":  # FP8 blocks: each part's own rows of block factors
+            sizes = [-(-size // fp8.BLOCK) for size in sizes]
+        for part, rows in zip(FUSED[module], p.split(sizes)):
             params[f"{parent}.{part}.{rest}"] = rows
     return params
 
@@ -407,15 +415,14 @@ def load_weights(model: Transformer, folder: str, device, dtype):
                     if name == "lm_head.weight" and model.cfg.tie_embeddings:
                         continue  # a stored copy of the tied embedding: the embedding is used, as in transformers
                     if name not in params or name in filled:
-                        raise ValueError(f"unexpected weight {name!r} in {file}: the model has no such "
-                                         f"parameter (or it appeared twice)")
+                        raise unexpected(name, file)
                     t = read_part(f, name, params[name].shape, model)
-                    check_floating(name, file, t)
+                    check_floating(name, file, t, params[name])
                     if t.shape != params[name].shape:
                         raise ValueError(f"weight {name!r} has shape {list(t.shape)}, the config implies "
                                          f"{list(params[name].shape)}")
-                    with torch.no_grad():
-                        params[name].copy_(t.to(dtype))
+                    with torch.no_grad():  # in the model's dtype, but FP8 blocks and their factors as stored
+                        params[name].copy_(t.to(params[name].dtype))
                     check_finite(name, file, t, params[name])
                     filled.add(name)
         except SafetensorError as e:  # a truncated or corrupt file
@@ -423,6 +430,13 @@ def load_weights(model: Transformer, folder: str, device, dtype):
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
+
+
+def unexpected(name: str, file: str) -> ValueError:
+    if name.endswith("weight_scale_inv"):
+        return ValueError(f"{file} holds FP8 block factors ({name}) but config.json has no quantization_config: "
+                          f"restore the checkpoint's config.json")
+    return ValueError(f"unexpected weight {name!r} in {file}: the model has no such parameter (or it appeared twice)")
 
 
 def tp_split(name: str, cfg: Config) -> tuple[int, int, int] | None:
@@ -453,26 +467,33 @@ def read_part(f, name: str, shape, model: Transformer) -> torch.Tensor:
     stored = f.get_slice(name)
     whole = list(shape)
     whole[dim] = units * size
-    if list(stored.get_shape()) != whole:
-        raise ValueError(f"weight {name!r} has shape {list(stored.get_shape())}, the config implies {whole}")
     part = model.tp.part(units)
     at = slice(part.start * size, part.stop * size)
+    if name.endswith("weight_scale_inv"):  # FP8 blocks: a rank's rows or columns are whole blocks (fp8.check_split)
+        whole[dim], at = -(-whole[dim] // fp8.BLOCK), slice(at.start // fp8.BLOCK, -(-at.stop // fp8.BLOCK))
+    if list(stored.get_shape()) != whole:
+        raise ValueError(f"weight {name!r} has shape {list(stored.get_shape())}, the config implies {whole}")
     return stored[at] if dim == 0 else stored[:, at]
 
 
-def check_floating(name: str, file: str, stored: torch.Tensor):
-    """Integers would be converted to the model's dtype as numbers and generate nonsense: refuse them."""
+def check_floating(name: str, file: str, stored: torch.Tensor, param: torch.Tensor):
+    """Integers would be converted to the model's dtype as numbers and generate nonsense: refuse them. Where
+    config.json says FP8 blocks, the weight must be e4m3 (its factors would not fit anything else)."""
     if not stored.dtype.is_floating_point:
         raise ValueError(f"weight {name!r} of {file} is stored as {stored.dtype}: tinyflow loads floating-point "
-                         f"weights, not quantized ones; dequantize the checkpoint first")
+                         f"weights and FP8 blocks (fp8.py), not other quantized ones; dequantize the checkpoint first")
+    if param.dtype == fp8.FP8 and stored.dtype != fp8.FP8:
+        raise ValueError(f"weight {name!r} of {file} is stored as {stored.dtype}, but config.json's "
+                         f"quantization_config says FP8 blocks (float8_e4m3fn): the config is not this checkpoint's")
 
 
 def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tensor):
     """A NaN or inf weight makes every logit NaN (and generation empty): name the tensor instead. One fp32
     sum per tensor (no copy of it); only a sum that is not finite is looked at element by element."""
-    if torch.isfinite(loaded.sum(dtype=torch.float32)) or torch.isfinite(loaded).all():
+    finite = lambda t: torch.isfinite(t.float() if t.dtype == fp8.FP8 else t).all()  # no isfinite for e4m3
+    if torch.isfinite(loaded.sum(dtype=torch.float32)) or finite(loaded):
         return
-    if torch.isfinite(stored).all():
+    if finite(stored):
         raise ValueError(f"weight {name!r} of {file} overflows {loaded.dtype} (values beyond its range); load "
                          f"it in another dtype (--dtype bfloat16 or float32)")
     raise ValueError(f"weight {name!r} of {file} holds NaN or infinite values: the checkpoint is damaged")
@@ -640,13 +661,25 @@ def generation_defaults(gen: dict, path: str) -> dict:
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # what weights load in
+WEIGHTS = ("auto", "fp8")  # as stored, or the layers' linear weights quantized into FP8 blocks at load (fp8.py)
 
 
-def load(name: str, device, dtype, tp: Group = SINGLE) -> tuple[Transformer, Tokenizer]:
-    """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer."""
+def load(name: str, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
+    """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer.
+    weights: "auto", the layers' weights as the checkpoint stores them (16-bit, or FP8 blocks), or "fp8",
+    16-bit ones quantized into FP8 blocks as they load."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     folder = resolve(name)
     cfg = Config.from_dict(read_json(folder, "config.json"))
     tokenizer = Tokenizer(folder, cfg)  # first: a tokenizer the model cannot use is refused before the weights load
+    fp8_weights = cfg.fp8_blocks or weights == "fp8"
+    if fp8_weights:
+        fp8.check_split(cfg, tp)
     model = empty_model(cfg, device, dtype, tp)
+    if cfg.fp8_blocks:  # filled from the checkpoint's blocks
+        fp8.convert(model, quantize=False)
     load_weights(model, folder, device, dtype)
+    if fp8_weights and not cfg.fp8_blocks:
+        fp8.convert(model, quantize=True)
     return model, tokenizer

@@ -673,7 +673,7 @@ def build(args) -> Server:
     if parallel.launched():  # one engine loop owns one GPU: nothing splits a model yet
         raise ValueError("server.py serves from one process on one GPU; start it without torchrun")
     device, dtype = pick_device(args.device, args.dtype)
-    model, tok = load(args.model, device, dtype)
+    model, tok = load(args.model, device, dtype, weights=args.weights)
     check_default_sampling(tok.defaults)
     limit = model.cfg.max_position_embeddings
     if args.max_model_len and limit and args.max_model_len > limit and not args.allow_long_context:

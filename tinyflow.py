@@ -16,7 +16,7 @@ def check_own_modules():
     of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place,
     and an install older than one of them does not find it at all."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "policies", "kernel", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
+    for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
         spec = importlib.util.find_spec(name)
         if spec is None:  # an editable install made before this module existed does not map it
             raise ImportError(f"tinyflow's install is out of date: `import {name}` finds no {name}.py; reinstall it "
@@ -32,7 +32,7 @@ from cache import KV_DTYPES
 from policies import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
 from generate import Engine, Interrupted, Stats, pick_device  # noqa: E402
 from sampling import Sampling  # noqa: E402
-from model import DTYPES, load  # noqa: E402
+from model import DTYPES, WEIGHTS, load  # noqa: E402
 from parallel import join, launched  # noqa: E402
 
 
@@ -53,7 +53,7 @@ class LLM:
     def __init__(self, model: str, budget: int | None = None, policy: str | None = None,
                  device=None, dtype=None, compile: bool = True, sinks: int | None = None,
                  window: int | None = None, prompt_compression: str = "snapkv", allow_long_context: bool = False,
-                 kv_dtype: str = "auto", data_parallel: bool = False):
+                 kv_dtype: str = "auto", weights: str = "auto", data_parallel: bool = False):
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
@@ -62,17 +62,19 @@ class LLM:
         longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
         allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise).
         kv_dtype: "auto" (K and V in the model's dtype) or "fp8" (float8 e4m3 and a scale per token and KV
-        head: about half the bytes of bf16, so about twice the sequences fit).
+        head: about half the bytes of bf16, so about twice the sequences fit). weights: "auto" (as the checkpoint
+        stores them: 16-bit, or FP8 blocks for an FP8 checkpoint such as Qwen/Qwen3-8B-FP8) or "fp8" (each layer's
+        linear weights quantized at load into e4m3 with a factor per 128 x 128 block: half their bytes; fp8.py).
 
         Under torchrun (several processes) the model is split over them (tensor parallel, parallel.py): every
         process makes the same calls and gets the same outputs. data_parallel: under torchrun, a whole model
         in each process instead, on its own GPU; each process then generates for its own prompts."""
-        check_llm_args(model, dtype, kv_dtype, compile=compile, allow_long_context=allow_long_context,
+        check_llm_args(model, dtype, kv_dtype, weights, compile=compile, allow_long_context=allow_long_context,
                        data_parallel=data_parallel)
         self.set_policy(budget, policy, sinks, window, prompt_compression)
         self.device, self.dtype = pick_device(device, dtype)
         tp, self.device = join(self.device, data_parallel)
-        self.model, self.tokenizer = load(model, self.device, self.dtype, tp)
+        self.model, self.tokenizer = load(model, self.device, self.dtype, tp, weights)
         self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context,
                              kv_dtype=KV_DTYPES[kv_dtype])
         self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)
@@ -142,7 +144,7 @@ class LLM:
         return self.generate(ids, **kwargs)
 
 
-def check_llm_args(model, dtype, kv_dtype, **flags):
+def check_llm_args(model, dtype, kv_dtype, weights, **flags):
     """LLM()'s arguments that would otherwise fail deep inside loading, or be taken for what they are not
     (compile="no" is true), before anything loads; the policy's are resolve_policy's, the device's
     pick_device's."""
@@ -150,6 +152,8 @@ def check_llm_args(model, dtype, kv_dtype, **flags):
         raise TypeError(f"model must be a Hugging Face id or a folder path, not {type(model).__name__}")
     if not (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES):
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if not (isinstance(weights, str) and weights in WEIGHTS):
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if dtype is not None and not (isinstance(dtype, str) and dtype in DTYPES or dtype in DTYPES.values()):
         *others, last = DTYPES
         raise ValueError(f"dtype must be {', '.join(others)} or {last} (a name or a torch.dtype), got {dtype!r}")

@@ -56,9 +56,11 @@ def write_tokenizer(folder):
     return tok
 
 
-def write_checkpoint(folder, arch: str, kv_heads: int | None = None, vocab: int = 320, **shard):
-    """A tiny random checkpoint saved by transformers itself: the oracle's own format. kv_heads, vocab:
-    other sizes than each architecture's own (tensor-parallel tests split heads and vocabulary)."""
+def write_checkpoint(folder, arch: str, kv_heads: int | None = None, vocab: int = 320, sizes: dict | None = None,
+                     **shard):
+    """A tiny random checkpoint saved by transformers itself: the oracle's own format. kv_heads, vocab, sizes
+    (config.json's): other sizes than each architecture's own (tensor-parallel tests split heads, vocabulary and
+    FP8 weights' blocks)."""
     import transformers
     folder.mkdir()
     tok = write_tokenizer(folder)
@@ -66,8 +68,10 @@ def write_checkpoint(folder, arch: str, kv_heads: int | None = None, vocab: int 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2,
                   eos_token_id=eos, bos_token_id=tok.token_to_id("<|endoftext|>"))
+    common.update(sizes or {})
     if arch == "qwen3":  # tied embeddings, head_dim != hidden / heads, q/k norm
-        cfg = transformers.Qwen3Config(**common, num_key_value_heads=kv_heads or 2, head_dim=32, tie_word_embeddings=True)
+        cfg = transformers.Qwen3Config(**{"head_dim": 32, **common}, num_key_value_heads=kv_heads or 2,
+                                       tie_word_embeddings=True)
         cls = transformers.Qwen3ForCausalLM
     elif arch == "qwen2":  # qkv bias, 1:1 heads
         cfg = transformers.Qwen2Config(**common, num_key_value_heads=kv_heads or 4, tie_word_embeddings=False)
@@ -103,11 +107,13 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tp_checkpoints(checkpoints, tmp_path_factory):
     """For tensor parallel over two ranks: Qwen3 (2 KV heads, GQA 2:1, tied embeddings), Qwen2 (4 KV heads, 1:1,
-    qkv bias), and a Llama of 2 KV heads (GQA 2:1, sharded files) with an odd vocabulary (321: the lm_head
-    splits 161 / 160)."""
-    llama = write_checkpoint(tmp_path_factory.mktemp("tp") / "llama", "llama", kv_heads=2, vocab=321,
-                             max_shard_size="100KB")
-    return {"qwen3": checkpoints["qwen3"], "qwen2": checkpoints["qwen2"], "llama": llama}
+    qkv bias), a Llama of 2 KV heads (GQA 2:1, sharded files) with an odd vocabulary (321: the lm_head
+    splits 161 / 160), and a Qwen3 whose FP8 weights' 128 x 128 blocks split whole (4 KV heads of 64: 128 rows
+    of q, k, v and the MLP per rank)."""
+    root = tmp_path_factory.mktemp("tp")
+    llama = write_checkpoint(root / "llama", "llama", kv_heads=2, vocab=321, max_shard_size="100KB")
+    fp8 = write_checkpoint(root / "qwen3-fp8", "qwen3", kv_heads=4, sizes=dict(head_dim=64, intermediate_size=256))
+    return {"qwen3": checkpoints["qwen3"], "qwen2": checkpoints["qwen2"], "llama": llama, "qwen3-fp8": fp8}
 
 
 @pytest.fixture(scope="session", autouse=True)

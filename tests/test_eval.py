@@ -527,6 +527,15 @@ def test_an_interrupted_fidelity_sweep_keeps_the_finished_budgets_and_says_so(ch
     assert (out / "fidelity_longflow_40.json").exists() and not (out / "fidelity_longflow_48.json").exists()
 
 
+def test_an_fp8_weights_run_has_its_own_files_and_label(checkpoints, tmp_path):
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40", "--max-new-tokens",
+             "8", "--out", str(out), "--device", "cpu", "--no-compile", "--weights", "fp8"])
+    summary = json.loads((out / "mini_longflow_40_fp8-weights.summary.json").read_text())
+    assert summary["weights"] == "fp8" and summary["rows"] == 3
+    assert "| longflow fp8-weights | 40 |" in (out / "compare.md").read_text()
+
+
 def test_an_fp8_run_has_its_own_files_and_label(checkpoints, tmp_path):
     data, out = write_data(tmp_path), tmp_path / "runs"
     ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow:40", "--max-new-tokens",

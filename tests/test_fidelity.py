@@ -70,3 +70,14 @@ def test_fp8_runs_are_measured_against_the_full_precision_cache_the_full_one_inc
     assert 0 < full["kl"] < small["kl"]  # quantizing costs a little, evicting as well costs more
     table = (out / "fidelity.md").read_text()
     assert "| full fp8 | all |" in table and "| longflow fp8 | 40 |" in table
+
+
+def test_fp8_weight_runs_are_measured_against_the_checkpoints_weights_the_full_one_included(checkpoints, tmp_path):
+    """--weights fp8: the runs' model quantized at load, the reference the checkpoint's own."""
+    out = tmp_path / "fid"
+    fidelity(checkpoints["qwen3"], out, "full", "longflow:40", extra=["--weights", "fp8"])
+    full, small = (json.loads((out / f"fidelity_{name}_fp8-weights.json").read_text())
+                   for name in ("full_all", "longflow_40"))
+    assert full["weights"] == small["weights"] == "fp8" and full["budget"] is None
+    assert 0 < full["kl"] < small["kl"]  # quantizing the weights costs a little, evicting as well costs more
+    assert "| full fp8-weights | all |" in (out / "fidelity.md").read_text()

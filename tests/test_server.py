@@ -144,12 +144,15 @@ def test_sixteen_concurrent_clients_on_four_rows_each_get_their_own_answer(serve
 
 
 def test_an_fp8_server_answers_what_an_fp8_llm_generate_gives_alone(model_dir):
-    """--kv-dtype fp8 reaches the engine (on a CPU through the reference's dequantize-then-attend)."""
-    llm = tinyflow.LLM(str(model_dir), device="cpu", compile=False, budget=40, kv_dtype="fp8")
+    """--kv-dtype fp8 and --weights fp8 reach the engine and the model (on a CPU through the references:
+    dequantize, then attend or multiply)."""
+    llm = tinyflow.LLM(str(model_dir), device="cpu", compile=False, budget=40, kv_dtype="fp8", weights="fp8")
     want = llm.generate(["The quick brown fox"], max_new_tokens=60, ignore_eos=True, batch_size=1)[0].text
-    assert want != tinyflow.LLM(str(model_dir), device="cpu", compile=False, budget=40).generate(
-        ["The quick brown fox"], max_new_tokens=60, ignore_eos=True, batch_size=1)[0].text, "FP8 changes no token"
-    fp8 = Running(model_dir, "--max-batch", "2", "--budget", "40", "--kv-dtype", "fp8")
+    for kv_dtype, weights in (("auto", "fp8"), ("fp8", "auto")):
+        assert want != tinyflow.LLM(str(model_dir), device="cpu", compile=False, budget=40, kv_dtype=kv_dtype,
+                                    weights=weights).generate(["The quick brown fox"], max_new_tokens=60,
+                                                              ignore_eos=True, batch_size=1)[0].text, "FP8 changes no token"
+    fp8 = Running(model_dir, "--max-batch", "2", "--budget", "40", "--kv-dtype", "fp8", "--weights", "fp8")
     try:
         r = fp8.client.completions.create(model=str(model_dir), prompt="The quick brown fox", max_tokens=60,
                                           temperature=0, extra_body={"ignore_eos": True})

@@ -1,5 +1,5 @@
 """One rank of a tensor-parallel run on CPU processes (gloo), started by tests/test_parallel.py through
-torchrun: `python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py OUT CHECKPOINT...` (every
+torchrun: `python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py OUT FOLDER@WEIGHTS...` (every
 checkpoint in one run: torchrun, torch and the process group start once). For checkpoint I, each rank writes
 what the test compares with one process (OUT.I.RANK, a torch.save file): the bytes it read from the
 safetensors files and the bytes of its parameters, the teacher-forced log-probabilities of the full cache,
@@ -87,11 +87,13 @@ class CountedSlice:
 
 
 def main(out: str, *checkpoints: str):
+    """checkpoints: each FOLDER@WEIGHTS (LLM's weights: auto, or fp8 to quantize them at load)."""
     for i, checkpoint in enumerate(checkpoints):
+        folder, _, weights = checkpoint.rpartition("@")
         read = []
         opener = model_module.safe_open
         model_module.safe_open = lambda *a, **k: Counted(opener(*a, **k), read)
-        llm = tinyflow.LLM(checkpoint, device="cpu", compile=False)
+        llm = tinyflow.LLM(folder, device="cpu", compile=False, weights=weights)
         model_module.safe_open = opener
         result = dict(read=sum(read), params=sum(p.nbytes for p in llm.model.parameters()),
                       kv_heads=llm.model.cfg.n_kv_heads, **full_cache(llm),

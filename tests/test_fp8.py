@@ -1,0 +1,210 @@
+"""FP8 weights (fp8.py): checkpoints in the FP8 block format, written here from the tiny checkpoints, load and give
+the logits of their dequantized weights (transformers on those, the oracle); a 16-bit checkpoint quantized at load
+holds exactly what such a checkpoint holds; both kernels equal their reference (the Triton interpreter on the CPU);
+a bad FP8 checkpoint is one line."""
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import fp8
+import tinyflow
+from cache import KVCache
+from model import load
+from test_bad_input import edit_json, one_line_error, update
+from test_generate import cli
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+# ---- the format, written out here apart from fp8.py -------------------------------------------------------
+def blocks_of(w, factor_dtype=torch.bfloat16):
+    """The format's blocks of W [N, K]: e4m3 values and one factor per 128 x 128 block (its largest |value| / 448),
+    by default in bf16, as Qwen3-8B-FP8 stores its factors."""
+    N, K = w.shape
+    scale = torch.zeros((N + 127) // 128, (K + 127) // 128)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = block.abs().max() / 448
+    scale = scale.to(factor_dtype)
+    return (w / expand(scale.float(), N, K)).to(torch.float8_e4m3fn), scale
+
+
+def expand(scale, N, K):
+    """A factor per weight: scale [NB, KB] repeated over each 128 x 128 block, cut to [N, K]."""
+    return scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+
+
+def write_fp8_checkpoint(src, dst, dequantized, factor_dtype=torch.bfloat16):
+    """src's layers' linear weights in the FP8 block format, in dst (each safetensors file, sharded or not); in
+    dequantized, the same weights written back as float32 values, W = weight * weight_scale_inv of its block."""
+    shutil.copytree(src, dst)
+    shutil.copytree(src, dequantized)
+    added = {}  # the factors' names, by the file that holds them (for a sharded checkpoint's index)
+    for file in sorted(src.glob("*.safetensors")):
+        weights, values = load_file(file), load_file(file)
+        for name in list(weights):
+            if name.split(".")[-2] in LINEARS and name.endswith(".weight"):
+                q, scale = blocks_of(weights[name].float(), factor_dtype)
+                weights[name], weights[name + "_scale_inv"] = q, scale
+                values[name] = q.float() * expand(scale.float(), *q.shape)
+                added[name + "_scale_inv"] = file.name
+        save_file(weights, dst / file.name)
+        save_file(values, dequantized / file.name)
+    if (src / "model.safetensors.index.json").exists():
+        edit_json(dst, "model.safetensors.index.json", lambda i: {**i, "weight_map": {**i["weight_map"], **added}})
+    edit_json(dst, "config.json", update(quantization_config=FORMAT))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(checkpoints, tmp_path_factory):
+    """Per architecture: (the FP8 checkpoint, its weights dequantized into a float32 checkpoint)."""
+    root = tmp_path_factory.mktemp("fp8")
+    return {arch: (write_fp8_checkpoint(folder, root / arch, root / f"{arch}-values"), root / f"{arch}-values")
+            for arch, folder in checkpoints.items()}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_an_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoints, arch):
+    """Its q/k/v and gate/up parts fused with their own blocks (k and v: 64 rows, half a block each)."""
+    folder, values = fp8_checkpoints[arch]
+    model, tok = load(str(folder), torch.device("cpu"), torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, fp8.Fp8Linear)
+    tokens = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model.cfg, 2, 32, "cpu", torch.float32)
+    logits = model(tokens, torch.arange(30).expand(2, 30), cache, rows=torch.arange(2))
+    expected = transformers.AutoModelForCausalLM.from_pretrained(values, dtype=torch.float32).eval()(tokens).logits
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=0)  # float32 in another order, as test_model.py
+
+
+def test_weights_fp8_quantizes_a_16_bit_checkpoint_into_the_blocks_an_fp8_checkpoint_holds(checkpoints, tmp_path):
+    """--weights fp8 / LLM(weights="fp8"): the very e4m3 values and factors of a checkpoint written in the format
+    (with fp32 factors, which fp8.py keeps)."""
+    folder = write_fp8_checkpoint(checkpoints["llama"], tmp_path / "fp8", tmp_path / "values", torch.float32)
+    quantized, _ = load(str(checkpoints["llama"]), torch.device("cpu"), torch.float32, weights="fp8")
+    stored, _ = load(str(folder), torch.device("cpu"), torch.float32)
+    for (name, a), (_, b) in zip(quantized.named_parameters(), stored.named_parameters()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8.FP8 else torch.equal(a, b), name
+
+
+def test_fp8_weights_generate_from_prompts_and_score_with_a_budget(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen3"]), budget=36, device="cpu", compile=False, weights="fp8")
+    outs = llm.generate(["Hello world", "The quick brown fox"], max_new_tokens=40)
+    assert [len(o.token_ids) for o in outs] == [40, 40]
+    full = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
+    exact, quantized = full.score(["Hello world"], [" hello tinyflow"])[0], llm.score(["Hello world"], [" hello tinyflow"])[0]
+    assert exact.token_ids == quantized.token_ids and exact.logprobs != quantized.logprobs
+
+
+# ---- the kernels against their reference -------------------------------------------------------------------
+def quantized_linear(N, K, sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(K, N, bias=False)
+    linear.weight.data = torch.randn(N, K, generator=g) * torch.logspace(-2, 1, N)[:, None]  # rows of other sizes
+    layer = fp8.Fp8Linear.of(linear, sizes)
+    return [t.to(DEVICE) for t in (layer.weight, layer.weight_scale_inv, layer.row_block)]
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 70])
+@pytest.mark.parametrize("N, K, sizes", [(200, 300, [64, 64, 72]), (256, 512, [256]), (320, 200, [192, 128])],
+                         ids=["fused-partial-blocks", "whole-blocks", "fused-192-128"])
+def test_both_kernels_equal_their_reference(M, N, K, sizes):
+    """Weight-only (the activations' dtype times e4m3) and tensor-core (activations quantized per token and 128
+    columns): the reference's float32 products summed in another order, so to float32 rounding of the largest
+    output on the CPU (1e-6 of it); on a GPU in bf16, to bf16's (the kernels round once at the end, the
+    reference's dequantized weight once more)."""
+    weight, scale, rows = quantized_linear(N, K, sizes)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    for weight_only in (True, False):
+        want = fp8.linear_ref(x.float(), weight, scale, rows, quantized_x=not weight_only)
+        got = fp8.fp8_linear(x, weight, scale, rows, weight_only=weight_only).float()
+        tol = dict(atol=2e-2 * want.abs().max().item(), rtol=2e-2) if CUDA else dict(atol=1e-6 * want.abs().max().item(), rtol=0)
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_above():
+    weight, scale, rows = quantized_linear(256, 256, [256])
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    for M, weight_only in ((fp8.WEIGHT_ONLY_ROWS, True), (fp8.WEIGHT_ONLY_ROWS + 1, False)):
+        x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+        assert torch.equal(fp8.fp8_linear(x, weight, scale, rows), fp8.fp8_linear(x, weight, scale, rows, weight_only))
+
+
+def test_a_block_of_zeros_quantizes_to_zeros_with_a_factor_of_one():
+    values, scale = fp8.quantize_blocks(torch.cat([torch.zeros(128, 128), torch.ones(128, 128)], 1))
+    assert scale.tolist() == [[1.0, torch.tensor(1 / 448).item()]]  # the factor in fp32
+    assert values.float().tolist() == [[0.0] * 128 + [448.0] * 128] * 128
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------
+def damaged(fp8_checkpoints, tmp_path, damage):
+    folder = tmp_path / "damaged"
+    shutil.copytree(fp8_checkpoints["qwen2"][0], folder)
+    damage(folder)
+    return folder
+
+
+def edit_weights(folder, edit):
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors")
+
+
+FACTOR = "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: edit_weights(f, lambda w: w.pop(FACTOR)), f"checkpoint is missing 1 weight(s), e.g. {FACTOR!r}"),
+    (lambda f: edit_weights(f, lambda w: w.update({FACTOR: torch.ones(2, 1)})),
+     f"weight {FACTOR!r} has shape [2, 1], the config implies [1, 1]"),
+    (lambda f: edit_json(f, "config.json", update(quantization_config={**FORMAT, "weight_block_size": [64, 64]})),
+     "quantization_config has weight_block_size [64, 64]; tinyflow loads 16-bit checkpoints and FP8 block ones"),
+    (lambda f: edit_json(f, "config.json", update(quantization_config={"quant_method": "awq", "bits": 4})),
+     "quantization_config has quant_method 'awq'; tinyflow loads 16-bit checkpoints and FP8 block ones"),
+    (lambda f: edit_json(f, "config.json", update(quantization_config={**FORMAT, "activation_scheme": "static"})),
+     "quantization_config has activation_scheme 'static'"),
+    (lambda f: edit_json(f, "config.json", lambda c: {k: v for k, v in c.items() if k != "quantization_config"}),
+     "weight_scale_inv) but config.json has no quantization_config: restore the checkpoint's config.json"),
+    (lambda f: edit_weights(f, lambda w: w.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64)})),
+     "weight 'model.layers.0.mlp.up_proj.weight' of model.safetensors is stored as torch.float32, but config.json's "
+     "quantization_config says FP8 blocks"),
+], ids=["missing-factor", "factor-shape", "block-size", "other-method", "static-activations", "no-config",
+        "16-bit-weight"])
+def test_a_bad_fp8_checkpoint_is_one_line(fp8_checkpoints, tmp_path, capsys, damage, message):
+    folder = damaged(fp8_checkpoints, tmp_path, damage)
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")[::2], message)
+
+
+def test_a_tensor_parallel_split_that_cuts_the_blocks_is_refused():
+    from model import Config
+    from parallel import Group
+    cfg = Config.from_dict(dict(model_type="qwen3", vocab_size=512, hidden_size=1024, intermediate_size=3072,
+                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128))
+    fp8.check_split(cfg, Group(0, 2))  # k/v: 256 rows, 128 a rank; MLP: 1536 a rank
+    with pytest.raises(ValueError, match="FP8 weights split over 4 ranks: k_proj's and v_proj's rows, 256 in all, "
+                                         "would be 64 a rank, which cuts their 128 x 128 blocks; run with fewer ranks"):
+        fp8.check_split(cfg, Group(0, 4))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["longflow", "rkv"])
+def test_fp8_weights_in_the_compiled_graph_replayed_step_equal_eager_and_never_recompile(checkpoints, policy):
+    """The kernels inside the compiled step, replayed as CUDA graphs at both sizes of the ladder (three prompts on
+    two rows), give the tokens of the same model run eagerly (fp32 activations: exact products)."""
+    from generate import Engine
+    model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.float32, weights="fp8")
+    prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps"), tok.encode("Hello")]
+    eager, _ = Engine(model, compile=False).generate(prompts, 80, [], 53, policy, batch_size=2)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        graphed, _ = Engine(model).generate(prompts, 80, [], 53, policy, batch_size=2)
+    assert graphed == eager
