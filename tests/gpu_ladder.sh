@@ -43,9 +43,9 @@ serve)
   for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
   cat $OUT/server.txt >> $log
   serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
-  timeout 60 $serve --requests 8 --rate 0.25 --json $OUT/serve_one.json >> $log 2>&1
+  timeout 60 $serve --requests 6 --rate 0.25 --json $OUT/serve_one.json >> $log 2>&1
   echo "serve one rc=$?" >> $log
-  timeout 150 $serve --requests 200 --rate 4 16 64 inf --json $OUT/serve_sweep.json --plot $OUT/serve_sweep.png \
+  timeout 150 $serve --requests 120 --rate 4 16 64 inf --json $OUT/serve_sweep.json --plot $OUT/serve_sweep.png \
     >> $log 2>&1
   echo "serve sweep rc=$?" >> $log
   kill -INT $server; sleep 5; tail -3 $OUT/server.txt >> $log; rm $OUT/server.txt ;;
