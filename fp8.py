@@ -168,10 +168,11 @@ def convert(model, quantize: bool):
 # ---- the Triton kernels ------------------------------------------------------------------------------------
 @triton.jit
 def _weight_only_kernel(x, w, s, row_block, out, M, N, K, KB_PER, stride_xm, stride_wn, stride_sn,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """out[split] [M, N] fp32 = x [M, K] times W^T over this split's K blocks; program (n block, split)."""
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+    """x [M, K] times W^T over this program's K blocks, program (n block, split, m block): into out [M, N] in its
+    dtype, or with SPLIT the fp32 partial sums into out [split, M, N]."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m, c = tl.arange(0, BLOCK_M), tl.arange(0, 128)
+    m, c = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, 128)
     split = tl.program_id(1)
     scale_row = tl.load(row_block + n, mask=n < N, other=0)  # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -185,7 +186,11 @@ def _weight_only_kernel(x, w, s, row_block, out, M, N, K, KB_PER, stride_xm, str
         else:
             part = tl.dot(xs, tl.trans(ws.to(xs.dtype)))
         acc += part * tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)[None, :]
-    tl.store(out + split * M * N + m[:, None] * N + n[None, :], acc, mask=(m[:, None] < M) & (n[None, :] < N))
+    mask = (m[:, None] < M) & (n[None, :] < N)
+    if SPLIT:
+        tl.store(out + split * M * N + m[:, None] * N + n[None, :], acc, mask=mask)
+    else:
+        tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -213,19 +218,24 @@ def _fp8_kernel(a, a_scale, w, s, row_block, out, M, N, K, stride_am, stride_wn,
     tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def _weight_only(x, weight, scale_inv, row_block):
+# The weight-only kernel's launch: rows of W per program, the waves of SMs that splitting K aims for (0: never
+# split), warps, pipeline stages. tests/gpu_fp8_linear.py times others (docs/performance.md, "FP8 weights").
+WEIGHT_ONLY_LAUNCH = dict(block_n=64, waves=2, num_warps=4, num_stages=4)
+
+
+def _weight_only(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages):
     M, K = x.shape
     N, KB = weight.shape[0], -(-K // BLOCK)
-    BLOCK_N = 64
-    n_blocks = triton.cdiv(N, BLOCK_N)
-    kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(2 * kernel._sm_count(x.device), n_blocks))))
-    splits = triton.cdiv(KB, kb_per)  # split K until the grid covers about two waves of SMs
-    parts = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
-    torch.library.wrap_triton(_weight_only_kernel)[(n_blocks, splits)](
-        x, weight, scale_inv, row_block, parts, M, N, K, kb_per, x.stride(0), weight.stride(0),
-        scale_inv.stride(0), BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=BLOCK_N,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
-    return parts.sum(0).to(x.dtype)  # the splits summed in a fixed order: the same result every run
+    n_blocks, m_blocks = triton.cdiv(N, block_n), triton.cdiv(M, 64)
+    kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(x.device), n_blocks))))
+    splits = triton.cdiv(KB, kb_per)  # split K until the grid covers `waves` waves of SMs
+    out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else \
+        torch.empty(M, N, device=x.device, dtype=x.dtype)
+    torch.library.wrap_triton(_weight_only_kernel)[(n_blocks, splits, m_blocks)](
+        x, weight, scale_inv, row_block, out, M, N, K, kb_per, x.stride(0), weight.stride(0), scale_inv.stride(0),
+        BLOCK_M=max(16, min(64, triton.next_power_of_2(M))), BLOCK_N=block_n, IEEE=x.dtype == torch.float32,
+        SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages)
+    return out.sum(0).to(x.dtype) if splits > 1 else out  # the splits summed in a fixed order: the same every run
 
 
 def _tensor_cores(x, weight, scale_inv, row_block):
@@ -255,16 +265,19 @@ def _as_torch_op(fn):
 @_as_torch_op
 def _fp8_linear_op(x: Tensor, weight: Tensor, scale_inv: Tensor, row_block: Tensor) -> Tensor:
     if x.shape[0] <= WEIGHT_ONLY_ROWS:
-        return _weight_only(x.contiguous(), weight, scale_inv, row_block)
+        return _weight_only(x.contiguous(), weight, scale_inv, row_block, **WEIGHT_ONLY_LAUNCH)
     return _tensor_cores(x, weight, scale_inv, row_block)
 
 
-def fp8_linear(x, weight, scale_inv, row_block, weight_only: bool | None = None) -> Tensor:
+def fp8_linear(x, weight, scale_inv, row_block, weight_only: bool | None = None, **launch) -> Tensor:
     """Triton version of linear_ref: x [M, K] times W^T, [M, N] in x's dtype. weight_only: which kernel (default:
-    the weight-only one up to WEIGHT_ONLY_ROWS rows); the tensor cores' result is linear_ref(quantized_x=True)'s."""
+    the weight-only one up to WEIGHT_ONLY_ROWS rows); the tensor cores' result is linear_ref(quantized_x=True)'s.
+    launch: the weight-only kernel's settings other than WEIGHT_ONLY_LAUNCH's (tests/gpu_fp8_linear.py)."""
     if not CAN_LAUNCH:
         raise RuntimeError("the Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before kernel "
                            "is imported; on this machine call fp8.linear_ref (same arguments)")
     if weight_only is None:
         return torch.ops.tinyflow.fp8_linear(x, weight, scale_inv, row_block)
-    return (_weight_only if weight_only else _tensor_cores)(x.contiguous(), weight, scale_inv, row_block)
+    if weight_only:
+        return _weight_only(x.contiguous(), weight, scale_inv, row_block, **{**WEIGHT_ONLY_LAUNCH, **launch})
+    return _tensor_cores(x, weight, scale_inv, row_block)

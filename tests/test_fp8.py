@@ -124,9 +124,10 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
     weight, scale, rows = quantized_linear(N, K, sizes)
     dtype = torch.bfloat16 if CUDA else torch.float32
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    for weight_only in (True, False):
+    # weight-only with K split over programs (the default's two waves) and not split (waves=0), then tensor cores
+    for weight_only, launch in ((True, {}), (True, {"waves": 0}), (False, {})):
         want = fp8.linear_ref(x.float(), weight, scale, rows, quantized_x=not weight_only)
-        got = fp8.fp8_linear(x, weight, scale, rows, weight_only=weight_only).float()
+        got = fp8.fp8_linear(x, weight, scale, rows, weight_only=weight_only, **launch).float()
         tol = dict(atol=2e-2 * want.abs().max().item(), rtol=2e-2) if CUDA else dict(atol=1e-6 * want.abs().max().item(), rtol=0)
         torch.testing.assert_close(got, want, **tol)
 
