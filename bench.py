@@ -112,7 +112,7 @@ class Machine:
     """What the floor of a step is measured against, both measured at the start of the run."""
     bandwidth: float  # bytes/s of a device-to-device copy
     matmul_rate: float  # FLOP/s of a large matrix product
-    fp8_matmul_rate: float = math.nan  # of one on the FP8 tensor cores, measured for FP8 weights on a GPU
+    fp8_matmul_rate: float = math.nan  # of one on the FP8 tensor cores (FP8 weights; on a CPU, matmul_rate)
 
 
 def peak_gib(device) -> float:
@@ -418,7 +418,8 @@ def bench_throughput(args, hw: Machine, model):
             steps = [step_row(timer, f, hw) for f in fills]
             ms = run_mean([r["ms_per_step"] for r in steps])
             floor_ms = run_mean([r["ms_per_step"] * r["floor_fraction"] for r in steps])
-            rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype, weights=args.weights,
+            rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype,
+                             weights="fp8" if has_fp8_weights(model) else "auto",
                              batch=B, slots=slots,
                              fits=fits,
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
@@ -963,8 +964,8 @@ def benchmark(args):
     hw = None
     if args.workload not in ("serve", "checkpoint"):  # the server's machine is measured by the server's own runs
         hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
-        if args.weights == "fp8" and args.device.type == "cuda":
-            hw.fp8_matmul_rate = matmul_rate(args.device, fp8.FP8)
+        if model is not None and has_fp8_weights(model):  # --weights fp8, or an FP8 checkpoint
+            hw.fp8_matmul_rate = matmul_rate(args.device, fp8.FP8) if args.device.type == "cuda" else hw.matmul_rate
         fp8_rate = "" if math.isnan(hw.fp8_matmul_rate) else f" (fp8 {per_second(hw.fp8_matmul_rate, 'FLOP')})"
         print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
               f"copy bandwidth {per_second(hw.bandwidth, 'B')}, matmul {per_second(hw.matmul_rate, 'FLOP')}{fp8_rate}, "

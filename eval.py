@@ -969,6 +969,9 @@ def run_fidelity(args):
         load = lambda weights: tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
                                             allow_long_context=args.allow_long_context, weights=weights)
         llm = load("auto")
+        if args.weights == "fp8" and llm.model.cfg.fp8_blocks:
+            raise ValueError("--weights fp8: this checkpoint's weights are FP8 blocks already, so the runs would be "
+                             "the reference; drop --weights")
         runs_model = llm.model if args.weights == "auto" else load(args.weights).model  # the compared runs' weights
         if "self" in args.texts:  # the model's answers are asked through its chat template
             check_chat_template(llm, args.model)

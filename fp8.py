@@ -91,7 +91,7 @@ def check_quantization_config(q):
     if not isinstance(q, dict):
         raise ValueError(f"config.json: quantization_config must be an object; {SUPPORTED}")
     for key, value in FORMAT.items():
-        if q.get(key, value) != value and not (key == "weight_block_size" and list(q[key]) == value):
+        if q.get(key, value) != value:  # JSON gives lists, so [128, 128] compares equal
             raise ValueError(f"config.json: quantization_config has {key} {q[key]!r}; {SUPPORTED}")
 
 
@@ -145,6 +145,14 @@ class Fp8Linear(nn.Module):
             y = linear_ref(flat, self.weight, self.weight_scale_inv, self.row_block)
         y = y if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], -1)
+
+
+def place(model, device):
+    """Each Fp8Linear's row_block computed on device (a model made on the meta device has none: to_empty leaves
+    computed buffers uninitialised)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.row_block = row_blocks(module.sizes, device)
 
 
 def convert(model, quantize: bool):
@@ -238,7 +246,13 @@ def _weight_only(x, weight, scale_inv, row_block, block_n, waves, num_warps, num
     return out.sum(0).to(x.dtype) if splits > 1 else out  # the splits summed in a fixed order: the same every run
 
 
+TENSOR_CORE_ROWS = 4096  # rows quantized and multiplied at a time: a long prefill's fp32 copies of its activations
+# stay bounded (quantize_rows), and so do the kernel's int32 offsets
+
+
 def _tensor_cores(x, weight, scale_inv, row_block):
+    if x.shape[0] > TENSOR_CORE_ROWS:
+        return torch.cat([_tensor_cores(part, weight, scale_inv, row_block) for part in x.split(TENSOR_CORE_ROWS)])
     M, N = x.shape[0], weight.shape[0]
     values, scale = quantize_rows(x)
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)

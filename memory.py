@@ -39,11 +39,13 @@ def batch_that_fits(cfg, slots: int, longest_prompt: int, free: int, dtype, extr
 
 def device_free_bytes(device) -> int:
     """Free GPU memory as PyTorch can use it: the device's, and what its caching allocator holds for no tensor
-    (a benchmark's probe copies, the last cache's step buffers): the allocator gives that back to a new
-    allocation that needs it. The device's own count alone left out the 8 GiB that bench.py's bandwidth probe
-    had used (docs/performance.md, "The memory planner")."""
-    return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-            - torch.cuda.memory_allocated(device))
+    (a benchmark's probe copies, the last cache's step buffers), which it gives back to a new allocation that
+    needs it, but for the free pieces of blocks that still hold a tensor (it can give those back to nothing
+    larger). The device's own count left out the 8 GiB that bench.py's bandwidth probe had used
+    (docs/performance.md, "A server under load, and the memory planner")."""
+    held_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    pieces = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+    return torch.cuda.mem_get_info(device)[0] + held_free - pieces
 
 
 def free_bytes(engine) -> int:

@@ -499,13 +499,17 @@ def check_finite(name: str, file: str, stored: torch.Tensor, loaded: torch.Tenso
     raise ValueError(f"weight {name!r} of {file} holds NaN or infinite values: the checkpoint is damaged")
 
 
-def empty_model(cfg: Config, device, dtype, tp: Group = SINGLE) -> Transformer:
-    """The model (this rank's part of it, under tensor parallel) with uninitialised weights on `device`,
-    allocated once (no CPU copy on the way)."""
+def empty_model(cfg: Config, device, dtype, tp: Group = SINGLE, fp8_blocks: bool = False) -> Transformer:
+    """The model (this rank's part of it, under tensor parallel) with uninitialised weights on `device`, in dtype
+    (fp8_blocks: the layers' linears as FP8 blocks, for an FP8 checkpoint to fill), allocated once and in their
+    final dtype (no CPU copy, no float32 copy on the way)."""
     with torch.device("meta"):
-        model = Transformer(cfg, tp)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(cfg, tp).to(dtype)
+        if fp8_blocks:
+            fp8.convert(model, quantize=False)
+    model = model.to_empty(device=device)
     model.inv_freq = rope_frequencies(cfg, device)  # computed, not stored: rebuild after to_empty
+    fp8.place(model, device)
     return model.eval().requires_grad_(False)
 
 
@@ -676,9 +680,7 @@ def load(name: str, device, dtype, tp: Group = SINGLE, weights: str = "auto") ->
     fp8_weights = cfg.fp8_blocks or weights == "fp8"
     if fp8_weights:
         fp8.check_split(cfg, tp)
-    model = empty_model(cfg, device, dtype, tp)
-    if cfg.fp8_blocks:  # filled from the checkpoint's blocks
-        fp8.convert(model, quantize=False)
+    model = empty_model(cfg, device, dtype, tp, fp8_blocks=cfg.fp8_blocks)  # FP8: filled from the blocks
     load_weights(model, folder, device, dtype)
     if fp8_weights and not cfg.fp8_blocks:
         fp8.convert(model, quantize=True)

@@ -20,9 +20,11 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 
 import pytest  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
@@ -96,6 +98,58 @@ def write_checkpoint(folder, arch: str, kv_heads: int | None = None, vocab: int 
     return folder
 
 
+def edit_json(folder, name, edit):
+    """Rewrite a checkpoint's JSON file with edit(its content) ({} for a file it lacks)."""
+    path = folder / name
+    content = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(edit(content)))
+
+
+# ---- FP8 checkpoints: the block format of Qwen's FP8 checkpoints, written out here apart from fp8.py ----------
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def blocks_of(w, factor_dtype=torch.bfloat16):
+    """The format's blocks of W [N, K]: e4m3 values and one factor per 128 x 128 block (its largest |value| / 448),
+    by default in bf16, as Qwen3-8B-FP8 stores its factors."""
+    N, K = w.shape
+    scale = torch.zeros((N + 127) // 128, (K + 127) // 128)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = block.abs().max() / 448
+    scale = scale.to(factor_dtype)
+    return (w / expand(scale.float(), N, K)).to(torch.float8_e4m3fn), scale
+
+
+def expand(scale, N, K):
+    """A factor per weight: scale [NB, KB] repeated over each 128 x 128 block, cut to [N, K]."""
+    return scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+
+
+def write_fp8_checkpoint(src, dst, dequantized, factor_dtype=torch.bfloat16):
+    """src's layers' linear weights in the FP8 block format, in dst (each safetensors file, sharded or not); in
+    dequantized, the same weights written back as float32 values, W = weight * weight_scale_inv of its block."""
+    shutil.copytree(src, dst)
+    shutil.copytree(src, dequantized)
+    added = {}  # the factors' names, by the file that holds them (for a sharded checkpoint's index)
+    for file in sorted(src.glob("*.safetensors")):
+        weights, values = load_file(file), load_file(file)
+        for name in list(weights):
+            if name.split(".")[-2] in LINEARS and name.endswith(".weight"):
+                q, scale = blocks_of(weights[name].float(), factor_dtype)
+                weights[name], weights[name + "_scale_inv"] = q, scale
+                values[name] = q.float() * expand(scale.float(), *q.shape)
+                added[name + "_scale_inv"] = file.name
+        save_file(weights, dst / file.name)
+        save_file(values, dequantized / file.name)
+    if (src / "model.safetensors.index.json").exists():
+        edit_json(dst, "model.safetensors.index.json", lambda i: {**i, "weight_map": {**i["weight_map"], **added}})
+    edit_json(dst, "config.json", lambda c: {**c, "quantization_config": FORMAT})
+    return dst
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -109,11 +163,14 @@ def tp_checkpoints(checkpoints, tmp_path_factory):
     """For tensor parallel over two ranks: Qwen3 (2 KV heads, GQA 2:1, tied embeddings), Qwen2 (4 KV heads, 1:1,
     qkv bias), a Llama of 2 KV heads (GQA 2:1, sharded files) with an odd vocabulary (321: the lm_head
     splits 161 / 160), and a Qwen3 whose FP8 weights' 128 x 128 blocks split whole (4 KV heads of 64: 128 rows
-    of q, k, v and the MLP per rank)."""
+    of q, k, v and the MLP per rank), quantized at load ("qwen3-fp8") and stored in the format with fp32
+    factors, as tinyflow keeps them ("qwen3-fp8-stored")."""
     root = tmp_path_factory.mktemp("tp")
     llama = write_checkpoint(root / "llama", "llama", kv_heads=2, vocab=321, max_shard_size="100KB")
     fp8 = write_checkpoint(root / "qwen3-fp8", "qwen3", kv_heads=4, sizes=dict(head_dim=64, intermediate_size=256))
-    return {"qwen3": checkpoints["qwen3"], "qwen2": checkpoints["qwen2"], "llama": llama, "qwen3-fp8": fp8}
+    stored = write_fp8_checkpoint(fp8, root / "qwen3-fp8-stored", root / "qwen3-fp8-values", torch.float32)
+    return {"qwen3": checkpoints["qwen3"], "qwen2": checkpoints["qwen2"], "llama": llama, "qwen3-fp8": fp8,
+            "qwen3-fp8-stored": stored}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -126,8 +183,8 @@ def background_runs(request, tmp_path_factory):
         yield {}
         return
     import test_parallel
-    with test_parallel.started(selected, request.getfixturevalue("tp_checkpoints"),
-                               request.getfixturevalue("checkpoints"), tmp_path_factory) as runs:
+    folders = lambda: (request.getfixturevalue("tp_checkpoints"), request.getfixturevalue("checkpoints"))
+    with test_parallel.started(selected, folders, tmp_path_factory) as runs:
         yield runs
 
 

@@ -19,6 +19,7 @@ from cache import KVCache
 from policies import POLICIES, resolve_policy
 from generate import Engine
 from model import load
+from conftest import edit_json
 from test_generate import ROOT, cli  # the command line run in-process: (exit code, stdout, stderr)
 
 
@@ -33,12 +34,6 @@ def copy_of(checkpoints, tmp_path, arch="qwen2"):
 
 
 # ---- the checkpoint's files ---------------------------------------------------------------------------
-def edit_json(folder, name, edit):
-    path = folder / name
-    content = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps(edit(content)))
-
-
 def update(**values):
     return lambda c: {**c, **values}
 

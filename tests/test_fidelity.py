@@ -81,3 +81,12 @@ def test_fp8_weight_runs_are_measured_against_the_checkpoints_weights_the_full_o
     assert full["weights"] == small["weights"] == "fp8" and full["budget"] is None
     assert 0 < full["kl"] < small["kl"]  # quantizing the weights costs a little, evicting as well costs more
     assert "| full fp8-weights | all |" in (out / "fidelity.md").read_text()
+
+
+def test_fp8_weights_of_a_checkpoint_stored_in_fp8_are_refused(checkpoints, tmp_path, capsys):
+    """Its weights are FP8 blocks already: the runs would be the reference itself."""
+    from conftest import write_fp8_checkpoint
+    folder = write_fp8_checkpoint(checkpoints["qwen3"], tmp_path / "fp8", tmp_path / "values")
+    with pytest.raises(SystemExit) as stop:
+        fidelity(folder, tmp_path / "fid", "longflow:40", extra=["--weights", "fp8"])
+    assert stop.value.code == 2 and "weights are FP8 blocks already" in capsys.readouterr().err

@@ -2,7 +2,6 @@
 the logits of their dequantized weights (transformers on those, the oracle); a 16-bit checkpoint quantized at load
 holds exactly what such a checkpoint holds; both kernels equal their reference (the Triton interpreter on the CPU);
 a bad FP8 checkpoint is one line."""
-import json
 import shutil
 
 import pytest
@@ -14,54 +13,12 @@ import fp8
 import tinyflow
 from cache import KVCache
 from model import load
-from test_bad_input import edit_json, one_line_error, update
+from conftest import FORMAT, edit_json, write_fp8_checkpoint
+from test_bad_input import one_line_error, update
 from test_generate import cli
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-
-# ---- the format, written out here apart from fp8.py -------------------------------------------------------
-def blocks_of(w, factor_dtype=torch.bfloat16):
-    """The format's blocks of W [N, K]: e4m3 values and one factor per 128 x 128 block (its largest |value| / 448),
-    by default in bf16, as Qwen3-8B-FP8 stores its factors."""
-    N, K = w.shape
-    scale = torch.zeros((N + 127) // 128, (K + 127) // 128)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
-            scale[i, j] = block.abs().max() / 448
-    scale = scale.to(factor_dtype)
-    return (w / expand(scale.float(), N, K)).to(torch.float8_e4m3fn), scale
-
-
-def expand(scale, N, K):
-    """A factor per weight: scale [NB, KB] repeated over each 128 x 128 block, cut to [N, K]."""
-    return scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
-
-
-def write_fp8_checkpoint(src, dst, dequantized, factor_dtype=torch.bfloat16):
-    """src's layers' linear weights in the FP8 block format, in dst (each safetensors file, sharded or not); in
-    dequantized, the same weights written back as float32 values, W = weight * weight_scale_inv of its block."""
-    shutil.copytree(src, dst)
-    shutil.copytree(src, dequantized)
-    added = {}  # the factors' names, by the file that holds them (for a sharded checkpoint's index)
-    for file in sorted(src.glob("*.safetensors")):
-        weights, values = load_file(file), load_file(file)
-        for name in list(weights):
-            if name.split(".")[-2] in LINEARS and name.endswith(".weight"):
-                q, scale = blocks_of(weights[name].float(), factor_dtype)
-                weights[name], weights[name + "_scale_inv"] = q, scale
-                values[name] = q.float() * expand(scale.float(), *q.shape)
-                added[name + "_scale_inv"] = file.name
-        save_file(weights, dst / file.name)
-        save_file(values, dequantized / file.name)
-    if (src / "model.safetensors.index.json").exists():
-        edit_json(dst, "model.safetensors.index.json", lambda i: {**i, "weight_map": {**i["weight_map"], **added}})
-    edit_json(dst, "config.json", update(quantization_config=FORMAT))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +95,19 @@ def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_
     for M, weight_only in ((fp8.WEIGHT_ONLY_ROWS, True), (fp8.WEIGHT_ONLY_ROWS + 1, False)):
         x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
         assert torch.equal(fp8.fp8_linear(x, weight, scale, rows), fp8.fp8_linear(x, weight, scale, rows, weight_only))
+
+
+def test_activations_are_quantized_per_token_and_128_columns():
+    """The tensor cores' input: each token's 128 columns (the last 72 of 200 padded with zeros) scaled so their
+    largest |value| is 448, rounded to e4m3."""
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
+    values, scale = fp8.quantize_rows(x)
+    for m in range(3):
+        for j, cols in enumerate((slice(0, 128), slice(128, 200))):
+            factor = x[m, cols].abs().max() / 448
+            assert scale[m, j] == factor
+            assert torch.equal(values[m, cols].float(), (x[m, cols] / factor).to(torch.float8_e4m3fn).float())
+    assert values.shape == (3, 256) and values[:, 200:].float().eq(0).all()
 
 
 def test_a_block_of_zeros_quantizes_to_zeros_with_a_factor_of_one():

@@ -240,6 +240,7 @@ def test_engine_refuses_a_batch_that_cannot_fit_before_allocating(checkpoints, m
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {})
     with pytest.raises(ValueError, match=r"11 sequences of 64 KV slots need .* GiB .* free \(10 would fit\)"):
         memory.pick_batch(engine, 11, 20, 64, 10)
     assert memory.pick_batch(engine, None, 20, 64, 10) == 10  # unasked: as many as fit, the rest wait
@@ -249,13 +250,15 @@ def test_engine_refuses_a_batch_that_cannot_fit_before_allocating(checkpoints, m
 
 def test_memory_the_allocator_holds_for_no_tensor_counts_as_free(checkpoints, monkeypatch):
     """PyTorch's caching allocator keeps freed blocks (a probe's copies, an old cache's buffers) and gives them to
-    the next allocation that needs them: the planner counts them as free, and the engine's own cache too."""
+    the next allocation that needs them: the planner counts them as free, but for the free pieces of blocks that
+    still hold a tensor."""
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = Engine(model, compile=False)
-    engine.device = torch.device("cuda")  # pretend: 5 GiB free on the device, 3 GiB cached of which 1 GiB in use
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * 2**30, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * 2**30)
+    engine.device = torch.device("cuda")  # pretend: 5 GiB free on the device, 4 GiB cached of which 1 GiB in use
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * 2**30, 80 * 2**30))  # and 1 GiB in pieces
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 4 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"inactive_split_bytes.all.current": 2**30})
     assert memory.free_bytes(engine) == 7 * 2**30
 
 

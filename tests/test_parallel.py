@@ -23,12 +23,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tp_worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# the environment as the session starts: the jobs start in the background, while other tests may patch os.environ
+# (RANK and WORLD_SIZE in test_bad_input.py, HOME) for their own processes
+ENV = dict(os.environ)
 
 
 def torchrun(*argv, n=2, timeout=1800):
     # one thread each on a small CI machine; inductor compiles in the process (no pool of compile workers).
     # The timeout only bounds a hang: far above what a loaded two-core machine takes.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    env = {**ENV, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                            "--master-port", str(free_port()), *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env, preexec_fn=in_the_background)
@@ -36,7 +39,7 @@ def torchrun(*argv, n=2, timeout=1800):
 
 def python(*argv, timeout=1800):
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=in_the_background)
+                          env=ENV, preexec_fn=in_the_background)
 
 
 def in_the_background():
@@ -44,22 +47,34 @@ def in_the_background():
     os.nice(19)
 
 
-ARCHS = ["qwen3", "qwen2", "llama", "qwen3-fp8"]  # qwen3-fp8: its weights quantized into FP8 blocks at load
+ARCHS = ["qwen3", "qwen2", "llama", "qwen3-fp8", "qwen3-fp8-stored"]  # FP8 blocks: quantized at load, or stored
 
 
 @contextlib.contextmanager
-def started(selected: set[str], tp_checkpoints, checkpoints, tmp_path_factory):
+def started(selected: set[str], folders, tmp_path_factory):
     """The multi-process runs of the selected tests of this module (by name), started in the background one at a
     time, each in a folder of its own: job name -> a future of what its function returns. conftest starts them
     with the session (the background_runs fixture), so that they run while the other test files do: a torchrun
     is mostly one core's work (importing torch, two ranks taking turns), and the rest of the suite leaves one
     of two cores idle much of the time."""
+    names = [name for name, (job, test) in JOBS.items() if test in selected]
+    try:
+        tp_checkpoints, checkpoints = folders()
+    except Exception as e:  # the parallel tests fail with it, not every test of the session
+        yield {name: failed(e) for name in names}
+        return
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        yield {name: pool.submit(job, tp_checkpoints, checkpoints, tmp_path_factory.mktemp(name))
-               for name, (job, test) in JOBS.items() if test in selected}
+        yield {name: pool.submit(JOBS[name][0], tp_checkpoints, checkpoints, tmp_path_factory.mktemp(name))
+               for name in names}
     finally:  # a session cut short (-x, Ctrl-C) waits for the job that runs, not for those still queued
         pool.shutdown(cancel_futures=True)
+
+
+def failed(error: Exception) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_exception(error)
+    return future
 
 
 @pytest.fixture
@@ -76,7 +91,7 @@ def tp_job(tp, checkpoints, folder):
 
 
 def weights(arch: str) -> str:
-    return "fp8" if arch.endswith("-fp8") else "auto"
+    return "fp8" if arch.endswith("-fp8") else "auto"  # -fp8-stored: the checkpoint's own FP8 blocks
 
 
 @pytest.mark.parametrize("arch", ARCHS)
