@@ -25,8 +25,11 @@ cfg, weights = model.cfg, torch.cuda.memory_allocated()
 def say(when: str):
     free, total = torch.cuda.mem_get_info()
     reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    pieces = torch.cuda.memory_stats().get("inactive_split_bytes.all.current", 0)
     print(f"{when}: device free {free / GiB:.2f} of {total / GiB:.2f} GiB; allocator reserved {reserved / GiB:.2f}, "
-          f"allocated {allocated / GiB:.2f}, unused {(reserved - allocated) / GiB:.2f} GiB", flush=True)
+          f"allocated {allocated / GiB:.2f}, unused {(reserved - allocated) / GiB:.2f} GiB of which {pieces / GiB:.2f} "
+          f"in pieces of blocks in use; the planner counts {memory.device_free_bytes(dev) / GiB:.2f} GiB free",
+          flush=True)
 
 
 say(f"weights {weights / GiB:.2f} GiB")
