@@ -470,13 +470,16 @@ def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
         def record(out):
             seen.append((memory(), graphs_compiled()))
             bar(out)
+        # batch_size None: the engine plans its own rows, as `generate.py --batch-size max` would; a row fewer than
+        # B when the timer's run left the allocator's memory in pieces (validate_batch says)
         _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0,
-                                batch_size=B, on_tokens=record)
+                                batch_size=None, on_tokens=record)
     assert len(set(seen)) == 1, f"memory grew or something compiled while decoding: {seen}"
     steps = -(-(n - 1) // engine.sync_every) * engine.sync_every  # the engine steps in whole sync chunks
-    sizes = validate_shrinking(args, engine, prompts * 3, policy, B, seen[0])
-    return dict(validate_tokens=n, predicted_ms_per_step=predicted * 1e3, real_ms_per_step=st.decode_s / steps * 1e3,
-                validate_setup_s=st.setup_s, validate_step_sizes=sizes)  # setup: the engine's whole ladder
+    sizes = validate_shrinking(args, engine, prompts * 3, policy, st.batch, seen[0])
+    return dict(validate_tokens=n, validate_batch=st.batch, predicted_ms_per_step=predicted * 1e3,
+                real_ms_per_step=st.decode_s / steps * 1e3, validate_step_sizes=sizes,
+                validate_setup_s=st.setup_s)  # setup: the engine's whole ladder
 
 
 def validate_shrinking(args, engine: Engine, prompts, policy: str, B: int, before: tuple) -> list[int]:

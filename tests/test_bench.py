@@ -57,7 +57,7 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert "longflow / full throughput" in r.stdout
             assert all(row["real_ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0 for row in rows)
             # --validate's second run: rows ending at random steps, refilled, the step at both sizes of its ladder
-            assert all(row["validate_step_sizes"] == [1, 2] for row in rows)
+            assert all(row["validate_step_sizes"] == [1, 2] and row["validate_batch"] == 2 for row in rows)
         else:
             assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
             assert all(row["prefill_floor_fraction"] > 0 for row in rows)
