@@ -10,9 +10,9 @@ W [N, K] is stored as e4m3 values `weight` [N, K] and one fp32 factor per 128 x 
 A fused projection (q/k/v, gate/up: model.FUSED) keeps each part's blocks, so its rows carry `row_block`, the
 factor row each weight row uses. Fp8Linear multiplies by W two ways, both next to their reference (linear_ref):
   - a few rows (decode at small batches), weight-only: the kernel reads the e4m3 bytes and their factors and
-    multiplies in the activations' dtype (_weight_only_kernel); a step then reads half the bytes of bf16;
-  - many rows: the activations are quantized too, per token and 128 columns (the format's "dynamic"
-    activations), and multiplied on the FP8 tensor cores (_fp8_kernel).
+    multiplies in fp32 (_weight_only_kernel); a step then reads half the bytes of bf16;
+  - more rows: the activations are quantized too, per token and 128 columns (the format's "dynamic"
+    activations: _quantize_kernel), and multiplied on the FP8 tensor cores (_fp8_kernel).
 The CPU runs the reference (the weight dequantized in the activations' dtype).
 """
 import torch
@@ -24,7 +24,6 @@ import kernel
 from kernel import CAN_LAUNCH, FP8, FP8_MAX, tl, triton
 
 BLOCK = 128  # the format's weight_block_size, both ways
-WEIGHT_ONLY_ROWS = 64  # up to this many rows the weight-only kernel runs, above it the FP8 tensor cores
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # every layer's linears; embedding, norms and
 # lm_head stay as the checkpoint stores them
 
@@ -176,24 +175,61 @@ def convert(model, quantize: bool):
 # ---- the Triton kernels ------------------------------------------------------------------------------------
 @triton.jit
 def _weight_only_kernel(x, w, s, row_block, out, M, N, K, KB_PER, stride_xm, stride_wn, stride_sn,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
-    """x [M, K] times W^T over this program's K blocks, program (n block, split, m block): into out [M, N] in its
-    dtype, or with SPLIT the fp32 partial sums into out [split, M, N]."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m, c = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, 128)
-    split = tl.program_id(1)
+                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """One row of x [M, K] times W^T over this program's K blocks, program (row, n block, split), without tensor
+    cores: the e4m3 weights widened to fp32 and multiplied-added in fp32 (for a tensor-core product they would go
+    to 16 bits first, which costs more than the product at a few rows). The rows are the grid's fastest axis, so
+    the programs of one weight tile run together and read it from L2 but once. Into out [M, N] in x's dtype, or
+    with SPLIT the fp32 partial sums into out [split, M, N]."""
+    row, split = tl.program_id(0), tl.program_id(2)
+    n, c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, 128)
     scale_row = tl.load(row_block + n, mask=n < N, other=0)  # [BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kb in range(split * KB_PER, tl.minimum((split + 1) * KB_PER, tl.cdiv(K, 128))):
         k = kb * 128 + c
-        xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        xs = tl.load(x + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)  # [128]
         ws = tl.load(w + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        # e4m3 -> the activations' dtype is exact; the block's factor multiplies the block's partial sums
-        if IEEE:  # fp32 activations (the tests'): fp32 products, not TF32's
-            part = tl.dot(xs, tl.trans(ws.to(xs.dtype)), input_precision="ieee")
-        else:
-            part = tl.dot(xs, tl.trans(ws.to(xs.dtype)))
-        acc += part * tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)[None, :]
+        part = tl.sum(ws.to(tl.float32) * xs[None, :], axis=1)  # [BLOCK_N]
+        acc += part * tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)  # the block's factor
+    if SPLIT:
+        tl.store(out + (split * M + row) * N + n, acc, mask=n < N)
+    else:
+        tl.store(out + row * N + n, acc.to(out.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _quantize_kernel(x, values, scales, M, K, stride_xm, BLOCK_M: tl.constexpr):
+    """quantize_rows on the GPU, one launch: x [M, K] -> values [M, KB * 128] e4m3 (the last block's padding 0),
+    scales [M, KB]; program (m block, k block)."""
+    m, kb = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.program_id(1)
+    k, KB = kb * 128 + tl.arange(0, 128), tl.num_programs(1)
+    xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+    scale = tl.max(tl.abs(xs.to(tl.float32)), axis=1) / 448.0  # [BLOCK_M]: the largest |value| to e4m3's largest
+    scale = tl.where(scale > 0, scale, 1.0)
+    xq = (xs.to(tl.float32) / scale[:, None]).to(tl.float8e4nv)
+    tl.store(values + m[:, None] * KB * 128 + k[None, :], xq, mask=m[:, None] < M)
+    tl.store(scales + m * KB + kb, scale, mask=m < M)
+
+
+@triton.jit
+def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, stride_wn, stride_sn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """a [M, KB * 128] e4m3 and a_scales [M, KB] (x quantized by _quantize_kernel) times W^T over this program's K
+    blocks, program (m block, n block, split), on the FP8 tensor cores: each block's partial sums times the
+    token's and the block's factors. Into out [M, N] in x's dtype, or with SPLIT the fp32 partial sums into
+    out [split, M, N]."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split, c, KB = tl.program_id(2), tl.arange(0, 128), tl.cdiv(K, 128)
+    scale_row = tl.load(row_block + n, mask=n < N, other=0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(split * KB_PER, tl.minimum((split + 1) * KB_PER, KB)):
+        k = kb * 128 + c
+        xs = tl.load(a + m[:, None] * stride_am + k[None, :], mask=m[:, None] < M, other=0.0)
+        ws = tl.load(w + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        factors = tl.load(a_scales + m * KB + kb, mask=m < M, other=0.0)[:, None] * \
+            tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)[None, :]
+        acc += tl.dot(xs, tl.trans(ws)) * factors
     mask = (m[:, None] < M) & (n[None, :] < N)
     if SPLIT:
         tl.store(out + split * M * N + m[:, None] * N + n[None, :], acc, mask=mask)
@@ -201,68 +237,64 @@ def _weight_only_kernel(x, w, s, row_block, out, M, N, K, KB_PER, stride_xm, str
         tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fp8_kernel(a, a_scale, w, s, row_block, out, M, N, K, stride_am, stride_wn, stride_sn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """out [M, N] = dequantized a [M, K'] times dequantized W^T: e4m3 x e4m3 products on the tensor cores, each 128
-    columns' partial sums times the token's and the block's factors."""
-    pid, n_m, n_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group_first = pid // (GROUP * n_n) * GROUP  # GROUP row blocks share the weight blocks they read (L2)
-    rows_in_group = tl.minimum(n_m - group_first, GROUP)
-    pid_m = group_first + pid % (GROUP * n_n) % rows_in_group
-    pid_n = pid % (GROUP * n_n) // rows_in_group
-    m, n = pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = tl.arange(0, 128)
-    KB = tl.cdiv(K, 128)
-    scale_row = tl.load(row_block + n, mask=n < N, other=0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(KB):
-        k = kb * 128 + c
-        xs = tl.load(a + m[:, None] * stride_am + k[None, :], mask=m[:, None] < M, other=0.0)
-        ws = tl.load(w + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        factors = tl.load(a_scale + m * KB + kb, mask=m < M, other=0.0)[:, None] * \
-            tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)[None, :]
-        acc += tl.dot(xs, tl.trans(ws)) * factors
-    tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+# Launch settings, chosen on an H200 by tests/gpu_fp8_linear.py (docs/performance.md, "FP8 weights"): rows of W
+# per program, the waves of SMs that splitting K aims for (0: never split), warps, pipeline stages. Up to
+# WEIGHT_ONLY_ROWS rows the weight-only kernel runs, above them the tensor cores.
+WEIGHT_ONLY_LAUNCH = dict(block_n=32, waves=4, num_warps=8, num_stages=3)
+TENSOR_CORE_LAUNCH = dict(block_n=64, waves=2, num_warps=4, num_stages=4)
+WEIGHT_ONLY_ROWS = 1
 
 
-# The weight-only kernel's launch: rows of W per program, the waves of SMs that splitting K aims for (0: never
-# split), warps, pipeline stages. tests/gpu_fp8_linear.py times others (docs/performance.md, "FP8 weights").
-WEIGHT_ONLY_LAUNCH = dict(block_n=64, waves=2, num_warps=4, num_stages=4)
+def _splits(programs: int, KB: int, waves: int, device) -> tuple[int, int]:
+    """(K blocks per split, splits): K split until the grid covers `waves` waves of SMs."""
+    kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(device), programs))))
+    return kb_per, triton.cdiv(KB, kb_per)
+
+
+def _output(x, N, splits):
+    """Where a kernel writes: [M, N] in x's dtype, or the splits' fp32 partial sums [splits, M, N]."""
+    return torch.empty(splits, x.shape[0], N, device=x.device, dtype=torch.float32) if splits > 1 else \
+        torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
+
+
+def _summed(out, x):
+    return out.sum(0).to(x.dtype) if out.dim() == 3 else out  # the splits summed in a fixed order: the same every run
 
 
 def _weight_only(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages):
     M, K = x.shape
     N, KB = weight.shape[0], -(-K // BLOCK)
-    n_blocks, m_blocks = triton.cdiv(N, block_n), triton.cdiv(M, 64)
-    kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(x.device), n_blocks))))
-    splits = triton.cdiv(KB, kb_per)  # split K until the grid covers `waves` waves of SMs
-    out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else \
-        torch.empty(M, N, device=x.device, dtype=x.dtype)
-    torch.library.wrap_triton(_weight_only_kernel)[(n_blocks, splits, m_blocks)](
+    n_blocks = triton.cdiv(N, block_n)
+    kb_per, splits = _splits(M * n_blocks, KB, waves, x.device)
+    out = _output(x, N, splits)
+    torch.library.wrap_triton(_weight_only_kernel)[(M, n_blocks, splits)](
         x, weight, scale_inv, row_block, out, M, N, K, kb_per, x.stride(0), weight.stride(0), scale_inv.stride(0),
-        BLOCK_M=max(16, min(64, triton.next_power_of_2(M))), BLOCK_N=block_n, IEEE=x.dtype == torch.float32,
-        SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages)
-    return out.sum(0).to(x.dtype) if splits > 1 else out  # the splits summed in a fixed order: the same every run
+        BLOCK_N=block_n, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages)
+    return _summed(out, x)
 
 
-TENSOR_CORE_ROWS = 4096  # rows quantized and multiplied at a time: a long prefill's fp32 copies of its activations
-# stay bounded (quantize_rows), and so do the kernel's int32 offsets
+TENSOR_CORE_ROWS = 4096  # rows multiplied at a time: the kernel's int32 offsets stay in range
 
 
-def _tensor_cores(x, weight, scale_inv, row_block):
+def _tensor_cores(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages):
     if x.shape[0] > TENSOR_CORE_ROWS:
-        return torch.cat([_tensor_cores(part, weight, scale_inv, row_block) for part in x.split(TENSOR_CORE_ROWS)])
-    M, N = x.shape[0], weight.shape[0]
-    values, scale = quantize_rows(x)
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    BLOCK_M, BLOCK_N = (64 if M <= 128 else 128), 128
-    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
-    torch.library.wrap_triton(_fp8_kernel)[grid](
-        values, scale, weight, scale_inv, row_block, out, M, N, x.shape[1], values.stride(0), weight.stride(0),
-        scale_inv.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP=8, num_warps=8 if BLOCK_M == 128 else 4,
-        num_stages=3)
-    return out
+        return torch.cat([_tensor_cores(part, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages)
+                          for part in x.split(TENSOR_CORE_ROWS)])
+    M, K = x.shape
+    N, KB = weight.shape[0], -(-K // BLOCK)
+    a = torch.empty(M, KB * BLOCK, device=x.device, dtype=FP8)  # x quantized per token and 128 columns
+    a_scales = torch.empty(M, KB, device=x.device, dtype=torch.float32)
+    torch.library.wrap_triton(_quantize_kernel)[(triton.cdiv(M, 64), KB)](x, a, a_scales, M, K, x.stride(0),
+                                                                          BLOCK_M=64)
+    block_m = max(16, min(128, triton.next_power_of_2(M)))
+    m_blocks, n_blocks = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
+    kb_per, splits = _splits(m_blocks * n_blocks, KB, waves, x.device)
+    out = _output(x, N, splits)
+    torch.library.wrap_triton(_fp8_kernel)[(m_blocks, n_blocks, splits)](
+        a, a_scales, weight, scale_inv, row_block, out, M, N, K, kb_per, a.stride(0), weight.stride(0),
+        scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, num_warps=num_warps,
+        num_stages=num_stages)
+    return _summed(out, x)
 
 
 def _as_torch_op(fn):
@@ -280,13 +312,13 @@ def _as_torch_op(fn):
 def _fp8_linear_op(x: Tensor, weight: Tensor, scale_inv: Tensor, row_block: Tensor) -> Tensor:
     if x.shape[0] <= WEIGHT_ONLY_ROWS:
         return _weight_only(x.contiguous(), weight, scale_inv, row_block, **WEIGHT_ONLY_LAUNCH)
-    return _tensor_cores(x, weight, scale_inv, row_block)
+    return _tensor_cores(x.contiguous(), weight, scale_inv, row_block, **TENSOR_CORE_LAUNCH)
 
 
 def fp8_linear(x, weight, scale_inv, row_block, weight_only: bool | None = None, **launch) -> Tensor:
     """Triton version of linear_ref: x [M, K] times W^T, [M, N] in x's dtype. weight_only: which kernel (default:
     the weight-only one up to WEIGHT_ONLY_ROWS rows); the tensor cores' result is linear_ref(quantized_x=True)'s.
-    launch: the weight-only kernel's settings other than WEIGHT_ONLY_LAUNCH's (tests/gpu_fp8_linear.py)."""
+    launch: the chosen kernel's settings other than its *_LAUNCH's (tests/gpu_fp8_linear.py)."""
     if not CAN_LAUNCH:
         raise RuntimeError("the Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before kernel "
                            "is imported; on this machine call fp8.linear_ref (same arguments)")
@@ -294,4 +326,4 @@ def fp8_linear(x, weight, scale_inv, row_block, weight_only: bool | None = None,
         return torch.ops.tinyflow.fp8_linear(x, weight, scale_inv, row_block)
     if weight_only:
         return _weight_only(x.contiguous(), weight, scale_inv, row_block, **{**WEIGHT_ONLY_LAUNCH, **launch})
-    return _tensor_cores(x, weight, scale_inv, row_block)
+    return _tensor_cores(x.contiguous(), weight, scale_inv, row_block, **{**TENSOR_CORE_LAUNCH, **launch})

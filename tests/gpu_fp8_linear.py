@@ -1,13 +1,18 @@
-"""On a GPU (issue 28): fp8.py's kernels against the bf16 product (cuBLAS) on Qwen3-8B's projections, to choose
-fp8.WEIGHT_ONLY_LAUNCH and fp8.WEIGHT_ONLY_ROWS. The weight-only kernel at 1, 16 and 64 rows under each launch
-setting of a grid (microseconds, and the weight bytes' share of the copy bandwidth), the best setting over the
-four projections; then both kernels and bf16 at 1 to 512 rows with that setting.
+"""On a GPU (issue 28): fp8.py's two kernels against the bf16 product (cuBLAS) on Qwen3-8B's projections, to choose
+fp8.WEIGHT_ONLY_LAUNCH, fp8.TENSOR_CORE_LAUNCH and fp8.WEIGHT_ONLY_ROWS. Each kernel under each launch setting
+of a grid at its numbers of rows; the weight-only kernel's best at one row, the tensor cores' best over all of
+theirs; then, with those, the rows up to which the weight-only kernel is the faster one. --write puts the choice
+into fp8.py.
 
-    python tests/gpu_fp8_linear.py [--json OUT]
+    python tests/gpu_fp8_linear.py [--json OUT] [--write]
+
+Every time is the GPU's, from a CUDA graph of calls each reading another copy of the weights (more than the
+50 MB of L2 in all, as a step's layers are): a Triton launch from Python takes longer than these kernels run.
 """
 import itertools
 import json
 import os
+import re
 import sys
 
 import torch
@@ -18,20 +23,53 @@ import bench  # noqa: E402
 import fp8  # noqa: E402
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096), "down_proj": (4096, 12288)}
-GRID = [dict(block_n=b, waves=w, num_warps=4, num_stages=s) for b, w, s in
-        itertools.product([16, 32, 64, 128], [0, 2, 4], [3, 5])]
+WARPS_STAGES = [(4, 4), (8, 3)]
+WEIGHT_ONLY = [dict(block_n=b, waves=w, num_warps=nw, num_stages=ns)
+               for b, w, (nw, ns) in itertools.product([32, 64, 128], [2, 4], WARPS_STAGES)]
+TENSOR_CORES = [dict(block_n=b, waves=w, num_warps=nw, num_stages=ns)
+                for b, w, (nw, ns) in itertools.product([64, 128], [0, 2], WARPS_STAGES)]
+WEIGHT_ONLY_M, TENSOR_CORE_M = (1, 2, 4), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def microseconds(fn, repeat=30) -> float:
-    for _ in range(3):
-        fn()
+def microseconds(calls, graphed=20) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for fn in calls[:3]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(graphed):
+            calls[i % len(calls)]()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeat):
-        fn()
+    for _ in range(5):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat * 1e3
+    return start.elapsed_time(end) / (5 * graphed) * 1e3
+
+
+def total_us(M, weight_only, launch) -> float:
+    """The four projections' time at M rows (one layer's), microseconds."""
+    us = 0.0
+    for name, copies in layers.items():
+        x = inputs[M][name]
+        us += microseconds([lambda q=q: fp8.fp8_linear(x, q.weight, q.weight_scale_inv, q.row_block, weight_only,
+                                                       **launch) for _, q in copies])
+    return us
+
+
+def write(chosen: dict):
+    """The chosen settings into fp8.py (this copy of it)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fp8.py")
+    text = open(path).read()
+    for name, value in chosen.items():
+        literal = f"dict({', '.join(f'{k}={v}' for k, v in value.items())})" if isinstance(value, dict) else value
+        text = re.sub(rf"^{name} = .*$", f"{name} = {literal}", text, count=1, flags=re.M)
+    open(path, "w").write(text)
 
 
 dev = torch.device("cuda")
@@ -39,33 +77,41 @@ bandwidth = bench.copy_bandwidth(dev)
 print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
 layers = {}
 for name, (N, K) in SHAPES.items():
-    linear = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
-    layers[name] = (linear.weight.detach(), fp8.Fp8Linear.of(linear))
-inputs = {M: {name: torch.randn(M, SHAPES[name][1], device=dev, dtype=torch.bfloat16) for name in SHAPES}
-          for M in (1, 2, 4, 8, 16, 32, 64, 96, 128, 256, 512)}
-best, sweep = {}, []
-for M in (1, 16, 64):
-    for launch in GRID:
-        us = {name: microseconds(lambda: fp8.fp8_linear(inputs[M][name], q.weight, q.weight_scale_inv, q.row_block,
-                                                        weight_only=True, **launch)) for name, (_, q) in layers.items()}
-        sweep.append(dict(rows=M, **launch, us=us, total_us=sum(us.values())))
-    best[M] = min((r for r in sweep if r["rows"] == M), key=lambda r: r["total_us"])
-    floor_us = sum(N * K for N, K in SHAPES.values()) / bandwidth * 1e6
-    print(f"rows {M}: best {best[M]} ({floor_us / best[M]['total_us']:.0%} of the bytes floor)", flush=True)
-chosen = {k: best[1][k] for k in fp8.WEIGHT_ONLY_LAUNCH}
+    copies = []
+    for _ in range(max(2, -(-256 * 2**20 // (N * K)))):  # >= 256 MB of e4m3 weights in all
+        linear = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+        copies.append((linear.weight.detach(), fp8.Fp8Linear.of(linear)))
+    layers[name] = copies
+inputs = {M: {name: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for name, (_, K) in SHAPES.items()}
+          for M in TENSOR_CORE_M}
+floor_us = sum(N * K for N, K in SHAPES.values()) / bandwidth * 1e6  # e4m3 weights read once
+sweep = [dict(kernel="weight-only", rows=M, launch=launch, us=total_us(M, True, launch))
+         for M in WEIGHT_ONLY_M for launch in WEIGHT_ONLY]
+sweep += [dict(kernel="tensor-cores", rows=M, launch=launch, us=total_us(M, False, launch))
+          for M in TENSOR_CORE_M for launch in TENSOR_CORES]
+best = {(r["kernel"], r["rows"]): min(s["us"] for s in sweep if (s["kernel"], s["rows"]) == (r["kernel"], r["rows"]))
+        for r in sweep}
+weight_only = min((r for r in sweep if r["kernel"] == "weight-only" and r["rows"] == 1), key=lambda r: r["us"])
+# the tensor cores' setting: the least time over all their rows, each relative to the best at those rows
+tensor_cores = min(TENSOR_CORES, key=lambda launch: sum(
+    r["us"] / best[("tensor-cores", r["rows"])] for r in sweep if r["kernel"] == "tensor-cores" and r["launch"] == launch))
+chosen = dict(WEIGHT_ONLY_LAUNCH=weight_only["launch"], TENSOR_CORE_LAUNCH=tensor_cores)
 rows = []
-for M, xs in inputs.items():
-    for name, (w, q) in layers.items():
-        x, (N, K) = xs[name], SHAPES[name]
-        row = dict(layer=name, rows=M, bf16_us=microseconds(lambda: F.linear(x, w)),
-                   weight_only_us=microseconds(lambda: fp8.fp8_linear(x, q.weight, q.weight_scale_inv, q.row_block,
-                                                                      weight_only=True, **chosen)),
-                   tensor_cores_us=microseconds(lambda: fp8.fp8_linear(x, q.weight, q.weight_scale_inv, q.row_block,
-                                                                       weight_only=False)))
-        row.update(weight_only_of_floor=N * K / bandwidth / (row["weight_only_us"] * 1e-6),
-                   bf16_of_floor=2 * N * K / bandwidth / (row["bf16_us"] * 1e-6))
-        rows.append(row)
-        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-if sys.argv[1:2] == ["--json"]:
-    with open(sys.argv[2], "w") as f:
-        json.dump(dict(bandwidth=bandwidth, chosen=chosen, best=best, sweep=sweep, rows=rows), f, indent=1)
+for M in TENSOR_CORE_M:
+    bf16 = sum(microseconds([lambda w=w: F.linear(inputs[M][name], w) for w, _ in copies])
+               for name, copies in layers.items())
+    row = dict(rows=M, bf16_us=bf16, tensor_cores_us=next(r["us"] for r in sweep if r["kernel"] == "tensor-cores"
+                                                          and r["rows"] == M and r["launch"] == tensor_cores))
+    if M in WEIGHT_ONLY_M:
+        row["weight_only_us"] = next(r["us"] for r in sweep if r["kernel"] == "weight-only" and r["rows"] == M
+                                     and r["launch"] == weight_only["launch"])
+    row["fp8_of_floor"] = floor_us / min(row["tensor_cores_us"], row.get("weight_only_us", float("inf")))
+    rows.append(row)
+    print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+chosen["WEIGHT_ONLY_ROWS"] = max([0] + [r["rows"] for r in rows if r.get("weight_only_us", 1e9) < r["tensor_cores_us"]])
+print(f"chosen: {chosen}", flush=True)
+if "--json" in sys.argv:
+    with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+        json.dump(dict(bandwidth=bandwidth, floor_us=floor_us, chosen=chosen, rows=rows, sweep=sweep), f, indent=1)
+if "--write" in sys.argv:
+    write(chosen)

@@ -5,6 +5,9 @@
 #     bash tests/gpu_ladder.sh planner       # where the planner's rows go (tests/gpu_planner.py)
 #     bash tests/gpu_ladder.sh throughput [auto fp8]   # LongFlow at the largest batch that fits, validated
 #     bash tests/gpu_ladder.sh serve         # server.py under a low load, then a sweep of loads (and its PNG)
+#     bash tests/gpu_ladder.sh fp8           # issue 28: fp8.py's launch chosen (tests/gpu_fp8_linear.py --write),
+#                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
+#     bash tests/gpu_ladder.sh fp8-run       # throughput and a 128k prefill, bf16 then FP8 weights and cache
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 # serve needs starlette and uvicorn, which the GPU machine lacks: their wheels in .whl/ (README of the device tool).
@@ -49,4 +52,21 @@ serve)
     >> $log 2>&1
   echo "serve sweep rc=$?" >> $log
   kill -INT $server; sleep 5; tail -3 $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+fp8)
+  timeout 300 python tests/gpu_fp8_linear.py --json $OUT/fp8_linear.json --write >> $log 2>&1
+  echo "fp8 linear rc=$?" >> $log; grep -A3 "^WEIGHT_ONLY_LAUNCH" fp8.py >> $log
+  timeout 150 python -m pytest -q tests/test_fp8.py -p no:cacheprovider -x >> $log 2>&1; echo "tests rc=$?" >> $log
+  for weights in fp8 auto; do
+    timeout 150 python bench.py step --shape Qwen3-8B --batch 1 4 64 --policy longflow --weights $weights \
+      --json $OUT/step_$weights.json >> $log 2>&1
+    echo "step $weights rc=$?" >> $log
+  done ;;
+fp8-run)
+  for run in "auto auto" "fp8 fp8"; do
+    set -- $run
+    timeout 200 python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 --weights $2 \
+      --json $OUT/throughput_$1_$2.json >> $log 2>&1; echo "throughput $run rc=$?" >> $log
+    timeout 120 python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 --weights $2 \
+      --json $OUT/long_prompt_$2.json >> $log 2>&1; echo "long-prompt $2 rc=$?" >> $log
+  done ;;
 esac

@@ -70,19 +70,34 @@ def quantized_linear(N, K, sizes, seed=0):
     return [t.to(DEVICE) for t in (layer.weight, layer.weight_scale_inv, layer.row_block)]
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 17, 70])
+def on_the_e4m3_grid(M, K, seed) -> torch.Tensor:
+    """Activations each token's 128 columns of which quantize exactly: e4m3 values, the largest |value| 448, times a
+    power of two. Triton's interpreter rounds fp32 to e4m3 wrongly (7.9 -> 4.0; values already on the grid
+    convert exactly), so on the CPU the tensor-core kernel's own quantization is given nothing to round."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 64).clamp(-448, 448).to(fp8.FP8).float()
+    x[:, ::128] = 448 * torch.randn(M, x[:, ::128].shape[1], generator=g).sign()
+    powers = torch.randint(-8, 4, (M, -(-K // 128)), generator=g).repeat_interleave(128, dim=1)[:, :K]
+    return x * 2.0 ** powers
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 70])
 @pytest.mark.parametrize("N, K, sizes", [(200, 300, [64, 64, 72]), (256, 512, [256]), (320, 200, [192, 128])],
                          ids=["fused-partial-blocks", "whole-blocks", "fused-192-128"])
 def test_both_kernels_equal_their_reference(M, N, K, sizes):
-    """Weight-only (the activations' dtype times e4m3) and tensor-core (activations quantized per token and 128
-    columns): the reference's float32 products summed in another order, so to float32 rounding of the largest
-    output on the CPU (1e-6 of it); on a GPU in bf16, to bf16's (the kernels round once at the end, the
-    reference's dequantized weight once more)."""
+    """Weight-only (fp32 products of the e4m3 weights) and tensor-core (activations quantized per token and 128
+    columns by a kernel of their own): the reference's float32 products summed in another order, so to float32 rounding
+    of the largest output on the CPU (1e-6 of it); on a GPU in bf16, to bf16's (the kernels round once at the end,
+    the reference's dequantized weight once more)."""
     weight, scale, rows = quantized_linear(N, K, sizes)
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    # weight-only with K split over programs (the default's two waves) and not split (waves=0), then tensor cores
-    for weight_only, launch in ((True, {}), (True, {"waves": 0}), (False, {})):
+    if CUDA:
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    else:
+        x = on_the_e4m3_grid(M, K, seed=1)
+    # each kernel with K split over programs (the default's waves) and not split (waves=0); the weight-only one,
+    # a program per row, up to 17 rows (it runs at a few; 70 cost the interpreter 10 s)
+    kernels = [(True, {}), (True, {"waves": 0}), (False, {}), (False, {"waves": 0})]
+    for weight_only, launch in kernels if M <= 17 else kernels[2:]:
         want = fp8.linear_ref(x.float(), weight, scale, rows, quantized_x=not weight_only)
         got = fp8.fp8_linear(x, weight, scale, rows, weight_only=weight_only, **launch).float()
         tol = dict(atol=2e-2 * want.abs().max().item(), rtol=2e-2) if CUDA else dict(atol=1e-6 * want.abs().max().item(), rtol=0)
@@ -92,9 +107,10 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
 def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_above():
     weight, scale, rows = quantized_linear(256, 256, [256])
     dtype = torch.bfloat16 if CUDA else torch.float32
-    for M, weight_only in ((fp8.WEIGHT_ONLY_ROWS, True), (fp8.WEIGHT_ONLY_ROWS + 1, False)):
-        x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
-        assert torch.equal(fp8.fp8_linear(x, weight, scale, rows), fp8.fp8_linear(x, weight, scale, rows, weight_only))
+    for M in {max(1, fp8.WEIGHT_ONLY_ROWS), fp8.WEIGHT_ONLY_ROWS + 1}:  # WEIGHT_ONLY_ROWS 0: tensor cores only
+        x = on_the_e4m3_grid(M, 256, seed=M).to(DEVICE, dtype)
+        kernel_used = fp8.fp8_linear(x, weight, scale, rows, weight_only=M <= fp8.WEIGHT_ONLY_ROWS)
+        assert torch.equal(fp8.fp8_linear(x, weight, scale, rows), kernel_used)
 
 
 def test_activations_are_quantized_per_token_and_128_columns():
