@@ -48,7 +48,7 @@ from cache import KV_DTYPES, KVCache, Layer
 from policies import POLICIES, RecentQueries, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, pick_device, sync_time
-from memory import batch_that_fits, device_free_bytes
+from memory import batch_that_fits, device_free_bytes, pick_batch
 from sampling import Sampler, Sampling
 from step import State, Stepper
 from cli import Parser, add_weights_option, non_negative_int, positive_int, run_command
@@ -355,6 +355,8 @@ def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[
     read = timer.slots if timer.policy != "full" else filled
     parts = {"weights": (weight_bytes(model), 2 * B * weights_read(model)),
              "attention": (timer.kv_bytes_read(filled), 4 * B * cfg.n_layers * cfg.n_heads * read * cfg.head_dim)}
+    # FP8 weights at WEIGHT_ONLY_ROWS rows or fewer: fp32 multiply-adds, no tensor cores, at a rate not measured;
+    # the bf16 rate stands in (at so few rows the weights' bytes bound the step either way)
     rates = {"weights": hw.fp8_matmul_rate if has_fp8_weights(model) and B > fp8.WEIGHT_ONLY_ROWS else hw.matmul_rate,
              "attention": hw.matmul_rate}
     times = {name: (n_bytes / hw.bandwidth, flops / rates[name]) for name, (n_bytes, flops) in parts.items()}
@@ -462,22 +464,24 @@ def validate(args, model, timer: StepTimer, policy: str, B: int) -> dict:
     fills = [args.prompt_len, args.prompt_len + n] if policy == "full" else [args.budget]
     predicted = run_mean([timer.seconds_per_step(f) for f in fills])
     timer.free()  # the engine allocates its own cache of the same size
-    prompts = torch.randint(0, model.cfg.vocab_size, (B, args.prompt_len)).tolist()
     engine = new_engine(model, args)
+    # the rows as the engine plans them, as `generate.py --batch-size max` would: one fewer than B when the timer's
+    # step left a little memory in pieces (validate_batch says; the prediction stays B's)
+    slots = args.budget if policy != "full" else args.prompt_len + n
+    batch = pick_batch(engine, None, B, slots, args.prompt_len)
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len)).tolist()
     seen = []  # (GPU memory, graphs compiled so far) at every host sync of the run, from the first token on
     memory = lambda: torch.cuda.memory_allocated() if args.device.type == "cuda" else 0
-    with TokenBar(n, f"validate {policy}, batch {B}") as bar:
+    with TokenBar(n, f"validate {policy}, batch {batch}") as bar:
         def record(out):
             seen.append((memory(), graphs_compiled()))
             bar(out)
-        # batch_size None: the engine plans its own rows, as `generate.py --batch-size max` would; a row fewer than
-        # B when the timer's run left the allocator's memory in pieces (validate_batch says)
         _, st = engine.generate(prompts, n, [], args.budget if policy != "full" else None, policy, seed=0,
-                                batch_size=None, on_tokens=record)
+                                batch_size=batch, on_tokens=record)
     assert len(set(seen)) == 1, f"memory grew or something compiled while decoding: {seen}"
     steps = -(-(n - 1) // engine.sync_every) * engine.sync_every  # the engine steps in whole sync chunks
-    sizes = validate_shrinking(args, engine, prompts * 3, policy, st.batch, seen[0])
-    return dict(validate_tokens=n, validate_batch=st.batch, predicted_ms_per_step=predicted * 1e3,
+    sizes = validate_shrinking(args, engine, prompts * 3, policy, batch, seen[0])
+    return dict(validate_tokens=n, validate_batch=batch, predicted_ms_per_step=predicted * 1e3,
                 real_ms_per_step=st.decode_s / steps * 1e3, validate_step_sizes=sizes,
                 validate_setup_s=st.setup_s)  # setup: the engine's whole ladder
 

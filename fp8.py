@@ -9,8 +9,8 @@ W [N, K] is stored as e4m3 values `weight` [N, K] and one fp32 factor per 128 x 
 
 A fused projection (q/k/v, gate/up: model.FUSED) keeps each part's blocks, so its rows carry `row_block`, the
 factor row each weight row uses. Fp8Linear multiplies by W two ways, both next to their reference (linear_ref):
-  - a few rows (decode at small batches), weight-only: the kernel reads the e4m3 bytes and their factors and
-    multiplies in fp32 (_weight_only_kernel); a step then reads half the bytes of bf16;
+  - one row (decode at batch 1: WEIGHT_ONLY_ROWS), weight-only: the kernel reads the e4m3 bytes and their factors
+    and multiplies in fp32 (_weight_only_kernel); a step then reads half the bytes of bf16;
   - more rows: the activations are quantized too, per token and 128 columns (the format's "dynamic"
     activations: _quantize_kernel), and multiplied on the FP8 tensor cores (_fp8_kernel).
 The CPU runs the reference (the weight dequantized in the activations' dtype).
@@ -181,7 +181,7 @@ def _weight_only_kernel(x, w, s, row_block, out, M, N, K, KB_PER, stride_xm, str
     to 16 bits first, which costs more than the product at a few rows). The rows are the grid's fastest axis, so
     the programs of one weight tile run together and read it from L2 but once. Into out [M, N] in x's dtype, or
     with SPLIT the fp32 partial sums into out [split, M, N]."""
-    row, split = tl.program_id(0), tl.program_id(2)
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(2)  # int64: row * K past 2^31 at ~90k rows
     n, c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, 128)
     scale_row = tl.load(row_block + n, mask=n < N, other=0)  # [BLOCK_N]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -204,9 +204,11 @@ def _quantize_kernel(x, values, scales, M, K, stride_xm, BLOCK_M: tl.constexpr):
     m, kb = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.program_id(1)
     k, KB = kb * 128 + tl.arange(0, 128), tl.num_programs(1)
     xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-    scale = tl.max(tl.abs(xs.to(tl.float32)), axis=1) / 448.0  # [BLOCK_M]: the largest |value| to e4m3's largest
+    # [BLOCK_M]: the largest |value| to e4m3's largest; div_rn: IEEE division, as torch's (Triton's `/` may be off
+    # by an ulp on a GPU)
+    scale = tl.math.div_rn(tl.max(tl.abs(xs.to(tl.float32)), axis=1), 448.0)
     scale = tl.where(scale > 0, scale, 1.0)
-    xq = (xs.to(tl.float32) / scale[:, None]).to(tl.float8e4nv)
+    xq = tl.math.div_rn(xs.to(tl.float32), scale[:, None]).to(tl.float8e4nv)
     tl.store(values + m[:, None] * KB * 128 + k[None, :], xq, mask=m[:, None] < M)
     tl.store(scales + m * KB + kb, scale, mask=m < M)
 
@@ -237,17 +239,18 @@ def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, s
         tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
-# Launch settings, chosen on an H200 by tests/gpu_fp8_linear.py (docs/performance.md, "FP8 weights"): rows of W
-# per program, the waves of SMs that splitting K aims for (0: never split), warps, pipeline stages. Up to
-# WEIGHT_ONLY_ROWS rows the weight-only kernel runs, above them the tensor cores.
+# Launch settings, chosen on an H200 by tests/gpu_fp8_linear.py (docs/performance.md, "FP8 weights"): the most
+# rows of x (tensor cores) and the rows of W per program, the waves of SMs that splitting K aims for (0: never
+# split), warps, pipeline stages. Up to WEIGHT_ONLY_ROWS rows the weight-only kernel runs, above them the tensor
+# cores.
 WEIGHT_ONLY_LAUNCH = dict(block_n=32, waves=4, num_warps=8, num_stages=3)
-TENSOR_CORE_LAUNCH = dict(block_n=64, waves=2, num_warps=4, num_stages=4)
+TENSOR_CORE_LAUNCH = dict(block_m=128, block_n=64, waves=2, num_warps=4, num_stages=4)
 WEIGHT_ONLY_ROWS = 1
 
 
 def _splits(programs: int, KB: int, waves: int, device) -> tuple[int, int]:
     """(K blocks per split, splits): K split until the grid covers `waves` waves of SMs."""
-    kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(device), programs))))
+    kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(device), max(1, programs)))))
     return kb_per, triton.cdiv(KB, kb_per)
 
 
@@ -276,17 +279,17 @@ def _weight_only(x, weight, scale_inv, row_block, block_n, waves, num_warps, num
 TENSOR_CORE_ROWS = 4096  # rows multiplied at a time: the kernel's int32 offsets stay in range
 
 
-def _tensor_cores(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages):
+def _tensor_cores(x, weight, scale_inv, row_block, block_m, block_n, waves, num_warps, num_stages):
     if x.shape[0] > TENSOR_CORE_ROWS:
-        return torch.cat([_tensor_cores(part, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages)
-                          for part in x.split(TENSOR_CORE_ROWS)])
+        return torch.cat([_tensor_cores(part, weight, scale_inv, row_block, block_m, block_n, waves, num_warps,
+                                        num_stages) for part in x.split(TENSOR_CORE_ROWS)])
     M, K = x.shape
     N, KB = weight.shape[0], -(-K // BLOCK)
     a = torch.empty(M, KB * BLOCK, device=x.device, dtype=FP8)  # x quantized per token and 128 columns
     a_scales = torch.empty(M, KB, device=x.device, dtype=torch.float32)
     torch.library.wrap_triton(_quantize_kernel)[(triton.cdiv(M, 64), KB)](x, a, a_scales, M, K, x.stride(0),
                                                                           BLOCK_M=64)
-    block_m = max(16, min(128, triton.next_power_of_2(M)))
+    block_m = max(16, min(block_m, triton.next_power_of_2(M)))  # block_m: the most rows a program takes
     m_blocks, n_blocks = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
     kb_per, splits = _splits(m_blocks * n_blocks, KB, waves, x.device)
     out = _output(x, N, splits)

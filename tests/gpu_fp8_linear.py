@@ -5,6 +5,7 @@ theirs; then, with those, the rows up to which the weight-only kernel is the fas
 into fp8.py.
 
     python tests/gpu_fp8_linear.py [--json OUT] [--write]
+    python tests/gpu_fp8_linear.py --large      # the tensor cores' launch at 128 to 4,096 rows, against bf16
 
 Every time is the GPU's, from a CUDA graph of calls each reading another copy of the weights (more than the
 50 MB of L2 in all, as a step's layers are): a Triton launch from Python takes longer than these kernels run.
@@ -26,8 +27,12 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (245
 WARPS_STAGES = [(4, 4), (8, 3)]
 WEIGHT_ONLY = [dict(block_n=b, waves=w, num_warps=nw, num_stages=ns)
                for b, w, (nw, ns) in itertools.product([32, 64, 128], [2, 4], WARPS_STAGES)]
-TENSOR_CORES = [dict(block_n=b, waves=w, num_warps=nw, num_stages=ns)
+TENSOR_CORES = [dict(block_m=128, block_n=b, waves=w, num_warps=nw, num_stages=ns)
                 for b, w, (nw, ns) in itertools.product([64, 128], [0, 2], WARPS_STAGES)]
+# --large: the tensor cores alone at many rows (decode at large batches, prefill's 4,096-row chunks)
+LARGE = [dict(block_m=bm, block_n=b, waves=2, num_warps=nw, num_stages=ns) for bm, b, (nw, ns) in
+         itertools.product([64, 128], [64, 128, 256], [(4, 3), (4, 4), (8, 3)]) if bm * b <= 128 * 128]
+LARGE_M = (128, 512, 4096)
 WEIGHT_ONLY_M, TENSOR_CORE_M = (1, 2, 4), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -68,7 +73,8 @@ def write(chosen: dict):
     text = open(path).read()
     for name, value in chosen.items():
         literal = f"dict({', '.join(f'{k}={v}' for k, v in value.items())})" if isinstance(value, dict) else value
-        text = re.sub(rf"^{name} = .*$", f"{name} = {literal}", text, count=1, flags=re.M)
+        text, found = re.subn(rf"^{name} = .*$", f"{name} = {literal}", text, flags=re.M)
+        assert found == 1, f"fp8.py has {found} lines `{name} = ...`, not one: write it by hand"
     open(path, "w").write(text)
 
 
@@ -83,7 +89,20 @@ for name, (N, K) in SHAPES.items():
         copies.append((linear.weight.detach(), fp8.Fp8Linear.of(linear)))
     layers[name] = copies
 inputs = {M: {name: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for name, (_, K) in SHAPES.items()}
-          for M in TENSOR_CORE_M}
+          for M in TENSOR_CORE_M + LARGE_M}
+
+
+def bf16_us(M) -> float:
+    return sum(microseconds([lambda w=w: F.linear(inputs[M][name], w) for w, _ in copies])
+               for name, copies in layers.items())
+
+
+if "--large" in sys.argv:
+    for M in LARGE_M:
+        results = sorted(((total_us(M, False, launch), launch) for launch in LARGE), key=lambda r: r[0])
+        print(f"rows {M}: bf16 {bf16_us(M):.1f} us; tensor cores, best five: "
+              + "; ".join(f"{us:.1f} us {launch}" for us, launch in results[:5]), flush=True)
+    sys.exit()
 floor_us = sum(N * K for N, K in SHAPES.values()) / bandwidth * 1e6  # e4m3 weights read once
 sweep = [dict(kernel="weight-only", rows=M, launch=launch, us=total_us(M, True, launch))
          for M in WEIGHT_ONLY_M for launch in WEIGHT_ONLY]
@@ -98,9 +117,7 @@ tensor_cores = min(TENSOR_CORES, key=lambda launch: sum(
 chosen = dict(WEIGHT_ONLY_LAUNCH=weight_only["launch"], TENSOR_CORE_LAUNCH=tensor_cores)
 rows = []
 for M in TENSOR_CORE_M:
-    bf16 = sum(microseconds([lambda w=w: F.linear(inputs[M][name], w) for w, _ in copies])
-               for name, copies in layers.items())
-    row = dict(rows=M, bf16_us=bf16, tensor_cores_us=next(r["us"] for r in sweep if r["kernel"] == "tensor-cores"
+    row = dict(rows=M, bf16_us=bf16_us(M), tensor_cores_us=next(r["us"] for r in sweep if r["kernel"] == "tensor-cores"
                                                           and r["rows"] == M and r["launch"] == tensor_cores))
     if M in WEIGHT_ONLY_M:
         row["weight_only_us"] = next(r["us"] for r in sweep if r["kernel"] == "weight-only" and r["rows"] == M
@@ -108,7 +125,8 @@ for M in TENSOR_CORE_M:
     row["fp8_of_floor"] = floor_us / min(row["tensor_cores_us"], row.get("weight_only_us", float("inf")))
     rows.append(row)
     print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-chosen["WEIGHT_ONLY_ROWS"] = max([0] + [r["rows"] for r in rows if r.get("weight_only_us", 1e9) < r["tensor_cores_us"]])
+faster = [r.get("weight_only_us", 1e9) < r["tensor_cores_us"] for r in rows]  # from one row up
+chosen["WEIGHT_ONLY_ROWS"] = ([0] + [r["rows"] for r in rows])[(faster + [False]).index(False)]
 print(f"chosen: {chosen}", flush=True)
 if "--json" in sys.argv:
     with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:

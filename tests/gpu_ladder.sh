@@ -64,9 +64,9 @@ fp8)
 fp8-run)
   for run in "auto auto" "fp8 fp8"; do
     set -- $run
-    timeout 200 python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 --weights $2 \
+    timeout 200 python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 --weights $2 --validate 256 \
       --json $OUT/throughput_$1_$2.json >> $log 2>&1; echo "throughput $run rc=$?" >> $log
-    timeout 120 python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 --weights $2 \
+    timeout 120 python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 --kv-dtype $1 --weights $2 \
       --json $OUT/long_prompt_$2.json >> $log 2>&1; echo "long-prompt $2 rc=$?" >> $log
   done ;;
 esac

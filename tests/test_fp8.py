@@ -104,13 +104,37 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_above():
+def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_above(monkeypatch):
     weight, scale, rows = quantized_linear(256, 256, [256])
+    ran = []
+
+    def recording(name, kernel):  # a kernel's launcher that notes its name and rows first
+        def launch(x, *args, **kwargs):
+            ran.append((name, len(x)))
+            return kernel(x, *args, **kwargs)
+        return launch
+    for name in ("_weight_only", "_tensor_cores"):
+        monkeypatch.setattr(fp8, name, recording(name, getattr(fp8, name)))
     dtype = torch.bfloat16 if CUDA else torch.float32
-    for M in {max(1, fp8.WEIGHT_ONLY_ROWS), fp8.WEIGHT_ONLY_ROWS + 1}:  # WEIGHT_ONLY_ROWS 0: tensor cores only
-        x = on_the_e4m3_grid(M, 256, seed=M).to(DEVICE, dtype)
-        kernel_used = fp8.fp8_linear(x, weight, scale, rows, weight_only=M <= fp8.WEIGHT_ONLY_ROWS)
-        assert torch.equal(fp8.fp8_linear(x, weight, scale, rows), kernel_used)
+    for M in (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, 70):
+        fp8.fp8_linear(torch.randn(M, 256).to(DEVICE, dtype), weight, scale, rows)
+    assert ran == [("_weight_only" if M <= fp8.WEIGHT_ONLY_ROWS else "_tensor_cores", M)
+                   for M in (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, 70)]
+
+
+def test_the_quantize_kernel_equals_quantize_rows():
+    """The tensor cores' activations, quantized by _quantize_kernel: quantize_rows' very e4m3 values and factors,
+    the last block's 56 padding columns 0. On the CPU the activations lie on the e4m3 grid (on_the_e4m3_grid says
+    why); on a GPU they are any."""
+    M, K = 70, 200
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)) * 3 if CUDA else on_the_e4m3_grid(M, K, 3)
+    x = x.to(DEVICE)
+    values = torch.empty(M, 256, dtype=fp8.FP8, device=DEVICE)
+    scales = torch.empty(M, 2, device=DEVICE)
+    fp8._quantize_kernel[(2, 2)](x, values, scales, M, K, x.stride(0), BLOCK_M=64)
+    want_values, want_scales = fp8.quantize_rows(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
 
 
 def test_activations_are_quantized_per_token_and_128_columns():
