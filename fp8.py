@@ -54,7 +54,9 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     M, K = x.shape
     KB = -(-K // BLOCK)
     groups = F.pad(x.float(), (0, KB * BLOCK - K)).view(M, KB, BLOCK)
-    scale = groups.abs().amax(-1) / FP8_MAX
+    # times 1/448, not / 448: torch divides by a number as a product with its reciprocal on CUDA and not on the CPU;
+    # a product is the same on both and in _quantize_kernel
+    scale = groups.abs().amax(-1) * (1 / FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (groups / scale[..., None]).to(FP8).view(M, KB * BLOCK), scale
 
@@ -204,9 +206,9 @@ def _quantize_kernel(x, values, scales, M, K, stride_xm, BLOCK_M: tl.constexpr):
     m, kb = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.program_id(1)
     k, KB = kb * 128 + tl.arange(0, 128), tl.num_programs(1)
     xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-    # [BLOCK_M]: the largest |value| to e4m3's largest; div_rn: IEEE division, as torch's (Triton's `/` may be off
-    # by an ulp on a GPU)
-    scale = tl.math.div_rn(tl.max(tl.abs(xs.to(tl.float32)), axis=1), 448.0)
+    # [BLOCK_M]: the largest |value| to e4m3's largest (times 1/448, as quantize_rows); div_rn below: IEEE division,
+    # as torch's (Triton's `/` may be off by an ulp on a GPU)
+    scale = tl.max(tl.abs(xs.to(tl.float32)), axis=1) * 0.002232142857142857
     scale = tl.where(scale > 0, scale, 1.0)
     xq = tl.math.div_rn(xs.to(tl.float32), scale[:, None]).to(tl.float8e4nv)
     tl.store(values + m[:, None] * KB * 128 + k[None, :], xq, mask=m[:, None] < M)
@@ -244,7 +246,7 @@ def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, s
 # split), warps, pipeline stages. Up to WEIGHT_ONLY_ROWS rows the weight-only kernel runs, above them the tensor
 # cores.
 WEIGHT_ONLY_LAUNCH = dict(block_n=32, waves=4, num_warps=8, num_stages=3)
-TENSOR_CORE_LAUNCH = dict(block_m=128, block_n=64, waves=2, num_warps=4, num_stages=4)
+TENSOR_CORE_LAUNCH = dict(block_m=64, block_n=64, waves=2, num_warps=4, num_stages=4)
 WEIGHT_ONLY_ROWS = 1
 
 

@@ -138,13 +138,13 @@ def test_the_quantize_kernel_equals_quantize_rows():
 
 
 def test_activations_are_quantized_per_token_and_128_columns():
-    """The tensor cores' input: each token's 128 columns (the last 72 of 200 padded with zeros) scaled so their
-    largest |value| is 448, rounded to e4m3."""
+    """The tensor cores' input: each token's 128 columns (the last 72 of 200 padded with zeros) divided by their
+    factor, their largest |value| times 1/448 (so the largest goes to e4m3's 448, to an ulp), rounded to e4m3."""
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
     values, scale = fp8.quantize_rows(x)
     for m in range(3):
         for j, cols in enumerate((slice(0, 128), slice(128, 200))):
-            factor = x[m, cols].abs().max() / 448
+            factor = x[m, cols].abs().max() * (1 / 448)
             assert scale[m, j] == factor
             assert torch.equal(values[m, cols].float(), (x[m, cols] / factor).to(torch.float8_e4m3fn).float())
     assert values.shape == (3, 256) and values[:, 200:].float().eq(0).all()
