@@ -13,7 +13,7 @@ factor row each weight row uses. Fp8Linear multiplies by W two ways, both next t
     and multiplies in fp32 (_weight_only_kernel); a step then reads half the bytes of bf16;
   - more rows: the activations are quantized too, per token and 128 columns (the format's "dynamic"
     activations: _quantize_kernel), and multiplied on the FP8 tensor cores (_fp8_kernel).
-The CPU runs the reference (the weight dequantized in the activations' dtype).
+The CPU runs the reference of the kernel the GPU would pick (linear_ref, quantized_x above WEIGHT_ONLY_ROWS rows).
 """
 import torch
 import torch.nn as nn
@@ -142,8 +142,9 @@ class Fp8Linear(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [M, K]
         if x.is_cuda:
             y = torch.ops.tinyflow.fp8_linear(flat, self.weight, self.weight_scale_inv, self.row_block)
-        else:
-            y = linear_ref(flat, self.weight, self.weight_scale_inv, self.row_block)
+        else:  # the GPU's math: the activations quantized too where the tensor cores would multiply
+            y = linear_ref(flat, self.weight, self.weight_scale_inv, self.row_block,
+                           quantized_x=flat.shape[0] > WEIGHT_ONLY_ROWS)
         y = y if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], -1)
 

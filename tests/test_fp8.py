@@ -29,16 +29,33 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
             for arch, folder in checkpoints.items()}
 
 
+def quantize_linear_inputs(model):
+    """transformers' model with what its layers' linears read quantized first, per token and 128 columns, as the
+    FP8 tensor cores read it (fp8.quantize_rows, written out: value * factor)."""
+    def quantized(module, args):
+        x = args[0]
+        values, scale = fp8.quantize_rows(x.reshape(-1, x.shape[-1]))
+        x_used = (values.float().view(*scale.shape, fp8.BLOCK) * scale[..., None]).flatten(1)[:, :x.shape[-1]]
+        return (x_used.view(x.shape),)
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+            module.register_forward_pre_hook(quantized)
+    return model
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_an_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoints, arch):
-    """Its q/k/v and gate/up parts fused with their own blocks (k and v: 64 rows, half a block each)."""
+    """Its q/k/v and gate/up parts fused with their own blocks (k and v: 64 rows, half a block each). A prompt is
+    many rows, so its activations are quantized too (the GPU's tensor cores; the CPU runs the same math), and
+    transformers' linears read them quantized the same way."""
     folder, values = fp8_checkpoints[arch]
     model, tok = load(str(folder), torch.device("cpu"), torch.float32)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, fp8.Fp8Linear)
     tokens = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(0))
     cache = KVCache(model.cfg, 2, 32, "cpu", torch.float32)
     logits = model(tokens, torch.arange(30).expand(2, 30), cache, rows=torch.arange(2))
-    expected = transformers.AutoModelForCausalLM.from_pretrained(values, dtype=torch.float32).eval()(tokens).logits
+    reference = transformers.AutoModelForCausalLM.from_pretrained(values, dtype=torch.float32).eval()
+    expected = quantize_linear_inputs(reference)(tokens).logits
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=0)  # float32 in another order, as test_model.py
 
 
@@ -120,6 +137,18 @@ def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_
         fp8.fp8_linear(torch.randn(M, 256).to(DEVICE, dtype), weight, scale, rows)
     assert ran == [("_weight_only" if M <= fp8.WEIGHT_ONLY_ROWS else "_tensor_cores", M)
                    for M in (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, 70)]
+
+
+def test_on_the_cpu_a_layer_runs_the_reference_of_the_kernel_a_gpu_would_pick():
+    """Up to WEIGHT_ONLY_ROWS rows the activations as they are, above them quantized (the tensor cores' input)."""
+    linear = torch.nn.Linear(256, 128, bias=False)
+    layer = fp8.Fp8Linear.of(linear)
+    for M in {max(1, fp8.WEIGHT_ONLY_ROWS), fp8.WEIGHT_ONLY_ROWS + 1}:  # WEIGHT_ONLY_ROWS 0: tensor cores only
+        x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))
+        refs = {quantized: fp8.linear_ref(x, layer.weight, layer.weight_scale_inv, layer.row_block, quantized)
+                for quantized in (False, True)}
+        assert not torch.equal(refs[False], refs[True])
+        assert torch.equal(layer(x), refs[M > fp8.WEIGHT_ONLY_ROWS])
 
 
 def test_the_quantize_kernel_equals_quantize_rows():
