@@ -98,7 +98,8 @@ def check_quantization_config(q):
 
 def check_split(cfg, tp):
     """Under tensor parallel each rank reads whole 128 x 128 blocks: its rows of q/k/v and gate/up and its columns
-    of o_proj and down_proj must be multiples of 128 (cfg: the whole model's)."""
+    of o_proj and down_proj must be multiples of 128 (cfg: the whole model's). Then the activations' 128-column
+    groups of o_proj and down_proj are one process's too."""
     parts = {"q_proj's rows and o_proj's columns": cfg.n_heads * cfg.head_dim,
              "k_proj's and v_proj's rows": cfg.n_kv_heads * cfg.head_dim, "the MLP's rows": cfg.intermediate_size}
     for what, n in parts.items():
@@ -245,7 +246,8 @@ def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, s
 # Launch settings, chosen on an H200 by tests/gpu_fp8_linear.py (docs/performance.md, "FP8 weights"): the most
 # rows of x (tensor cores) and the rows of W per program, the waves of SMs that splitting K aims for (0: never
 # split), warps, pipeline stages. Up to WEIGHT_ONLY_ROWS rows the weight-only kernel runs, above them the tensor
-# cores.
+# cores. WEIGHT_ONLY_ROWS stays 1 while the CPU picks its reference in Python (Fp8Linear.forward): the compiled
+# step's batch is dynamic from 2 rows, and a test at 2 or 4 would put a guard on it.
 WEIGHT_ONLY_LAUNCH = dict(block_n=32, waves=4, num_warps=8, num_stages=3)
 TENSOR_CORE_LAUNCH = dict(block_m=64, block_n=64, waves=2, num_warps=4, num_stages=4)
 WEIGHT_ONLY_ROWS = 1

@@ -27,7 +27,7 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (245
 WARPS_STAGES = [(4, 4), (8, 3)]
 WEIGHT_ONLY = [dict(block_n=b, waves=w, num_warps=nw, num_stages=ns)
                for b, w, (nw, ns) in itertools.product([32, 64, 128], [2, 4], WARPS_STAGES)]
-TENSOR_CORES = [dict(block_m=128, block_n=b, waves=w, num_warps=nw, num_stages=ns)
+TENSOR_CORES = [dict(block_m=64, block_n=b, waves=w, num_warps=nw, num_stages=ns)
                 for b, w, (nw, ns) in itertools.product([64, 128], [0, 2], WARPS_STAGES)]
 # --large: the tensor cores alone at many rows (decode at large batches, prefill's 4,096-row chunks)
 LARGE = [dict(block_m=bm, block_n=b, waves=2, num_warps=nw, num_stages=ns) for bm, b, (nw, ns) in

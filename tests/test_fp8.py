@@ -31,20 +31,22 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
 
 def quantize_linear_inputs(model):
     """transformers' model with what its layers' linears read quantized first, per token and 128 columns, as the
-    FP8 tensor cores read it (fp8.quantize_rows, written out: value * factor)."""
-    def quantized(module, args):
-        x = args[0]
+    FP8 tensor cores read it (fp8.quantize_rows, written out: value * factor); every input, one row too (the
+    tests give it prompts of many)."""
+    def quantized(module, args, kwargs):
+        x = args[0] if args else kwargs.pop("input")
         values, scale = fp8.quantize_rows(x.reshape(-1, x.shape[-1]))
         x_used = (values.float().view(*scale.shape, fp8.BLOCK) * scale[..., None]).flatten(1)[:, :x.shape[-1]]
-        return (x_used.view(x.shape),)
+        return (x_used.view(x.shape).to(x.dtype),), kwargs
     for name, module in model.named_modules():
         if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
-            module.register_forward_pre_hook(quantized)
+            module.register_forward_pre_hook(quantized, with_kwargs=True)
     return model
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_an_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoints, arch):
+def test_an_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights_and_quantized_activations(fp8_checkpoints,
+                                                                                                 arch):
     """Its q/k/v and gate/up parts fused with their own blocks (k and v: 64 rows, half a block each). A prompt is
     many rows, so its activations are quantized too (the GPU's tensor cores; the CPU runs the same math), and
     transformers' linears read them quantized the same way."""
