@@ -12,6 +12,7 @@ against linear_ref (its largest error) and cuBLAS bf16, and fp8.py's own two ker
 
     python tests/gpu_fp8_dequant.py [--json OUT]
 """
+import itertools
 import json
 import os
 import sys
@@ -81,28 +82,11 @@ def run(how, x, weight, scale, block_n, splits, warps, stages):
     return out.sum(0).to(x.dtype) if splits > 1 else out[0].to(x.dtype)
 
 
-def microseconds(calls, graphed=20) -> float:
-    """GPU time of one call, each call reading another copy of the weights (calls: one per copy; together more
-    than the 50 MB L2 cache holds, as a step's layers are), timed as a CUDA graph of `graphed` calls: a Triton
-    launch from Python takes longer than these kernels run, and the step replays them as a graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for fn in calls[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(graphed):
-            calls[i % len(calls)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * graphed) * 1e3
+def microseconds(calls) -> float:
+    """GPU time of one call, the calls taken in turn (each reads another copy of the weights, together more than
+    the 50 MB L2 holds, as a step's layers are): bench.graph_time, a CUDA graph of them."""
+    turn = itertools.cycle(calls)
+    return bench.graph_time(lambda: next(turn)()) * 1e6
 
 
 dev = torch.device("cuda")

@@ -36,25 +36,11 @@ LARGE_M = (128, 512, 4096)
 WEIGHT_ONLY_M, TENSOR_CORE_M = (1, 2, 4), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def microseconds(calls, graphed=20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for fn in calls[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(graphed):
-            calls[i % len(calls)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * graphed) * 1e3
+def microseconds(calls) -> float:
+    """GPU time of one call, the calls taken in turn (each reads another copy of the weights, together more than
+    the 50 MB L2 holds, as a step's layers are): bench.graph_time, a CUDA graph of them."""
+    turn = itertools.cycle(calls)
+    return bench.graph_time(lambda: next(turn)()) * 1e6
 
 
 def total_us(M, weight_only, launch) -> float:
