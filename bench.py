@@ -298,7 +298,7 @@ class StepTimer:
             for _ in range(steps):
                 self.stepper.step()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
         print(table)
         if path:
             prof.export_chrome_trace(path)

@@ -12,9 +12,12 @@ factor row each weight row uses. Fp8Linear multiplies by W two ways, both next t
   - one row (decode at batch 1: WEIGHT_ONLY_ROWS), weight-only: the kernel reads the e4m3 bytes and their factors
     and multiplies in fp32 (_weight_only_kernel); a step then reads half the bytes of bf16;
   - more rows: the activations are quantized too, per token and 128 columns (the format's "dynamic"
-    activations: _quantize_kernel), and multiplied on the FP8 tensor cores (_fp8_kernel).
+    activations: _quantize_kernel), and multiplied on the FP8 tensor cores: by cuBLAS (torch._scaled_mm's
+    blockwise factors) where the layer's blocks are whole, else by _fp8_kernel.
 The CPU runs the reference of the kernel the GPU would pick (linear_ref, quantized_x above WEIGHT_ONLY_ROWS rows).
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -178,33 +181,55 @@ def convert(model, quantize: bool):
 
 # ---- the Triton kernels ------------------------------------------------------------------------------------
 @triton.jit
-def _weight_only_kernel(x, w, s, row_block, out, M, N, K, KB_PER, stride_xm, stride_wn, stride_sn,
-                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+def _weight_only_kernel(x, w, s, row_block, out, partials, arrived, M, N, K, KB_PER, n_splits, stride_xm, stride_wn,
+                        stride_sn, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     """One row of x [M, K] times W^T over this program's K blocks, program (row, n block, split), without tensor
     cores: the e4m3 weights widened to fp32 and multiplied-added in fp32 (for a tensor-core product they would go
-    to 16 bits first, which costs more than the product at a few rows). The rows are the grid's fastest axis, so
-    the programs of one weight tile run together and read it from L2 but once. Into out [M, N] in x's dtype, or
-    with SPLIT the fp32 partial sums into out [split, M, N]."""
+    to 16 bits first, which costs more than the product at a few rows). GROUPS blocks of 128 columns a loop
+    (KB_PER a multiple of it). The rows are the grid's fastest axis, so the programs of one weight tile run
+    together and read it from L2 but once. Into out [M, N] in x's dtype; with SPLIT through partials
+    [n_splits, M, N] fp32 and arrived [M, n blocks] int32 zeros (_add_splits)."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(2)  # int64: row * K past 2^31 at ~90k rows
     n, c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, 128)
     scale_row = tl.load(row_block + n, mask=n < N, other=0)  # [BLOCK_N]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for kb in range(split * KB_PER, tl.minimum((split + 1) * KB_PER, tl.cdiv(K, 128))):
-        k = kb * 128 + c
-        xs = tl.load(x + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)  # [128]
-        ws = tl.load(w + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        part = tl.sum(ws.to(tl.float32) * xs[None, :], axis=1)  # [BLOCK_N]
-        acc += part * tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)  # the block's factor
+    KB = tl.cdiv(K, 128)
+    for kb0 in range(split * KB_PER, tl.minimum((split + 1) * KB_PER, KB), GROUPS):
+        kb = kb0 + tl.arange(0, GROUPS)  # [GROUPS]
+        k = kb[:, None] * 128 + c[None, :]  # [GROUPS, 128]
+        xs = tl.load(x + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        ws = tl.load(w + n[:, None, None] * stride_wn + k[None, :, :],
+                     mask=(n[:, None, None] < N) & (k[None, :, :] < K), other=0.0)  # [BLOCK_N, GROUPS, 128]
+        part = tl.sum(ws.to(tl.float32) * xs[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
+        factors = tl.load(s + scale_row[:, None] * stride_sn + kb[None, :],
+                          mask=(n[:, None] < N) & (kb[None, :] < KB), other=0.0)  # each block's factor
+        acc += tl.sum(part * factors, axis=1)
     if SPLIT:
-        tl.store(out + (split * M + row) * N + n, acc, mask=n < N)
+        _add_splits(acc, partials, arrived + row * tl.num_programs(1) + tl.program_id(1), out, row, n, split,
+                    n_splits, M, N)
     else:
         tl.store(out + row * N + n, acc.to(out.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
-def _quantize_kernel(x, values, scales, M, K, stride_xm, BLOCK_M: tl.constexpr):
-    """quantize_rows on the GPU, one launch: x [M, K] -> values [M, KB * 128] e4m3 (the last block's padding 0),
-    scales [M, KB]; program (m block, k block)."""
+def _add_splits(acc, partials, arrived, out, row, n, split, n_splits, M, N):
+    """Split K without a kernel to add the splits: each split stores its fp32 sums, and the split that arrives
+    last at this row's n block adds them all, in split order (so the same sum every run, whichever split came
+    last), into out."""
+    tl.store(partials + (split * M + row) * N + n, acc, mask=n < N)
+    tl.debug_barrier()  # every thread's sums stored before the count goes up (the atomic releases them)
+    if tl.atomic_add(arrived, 1, sem="acq_rel") == n_splits - 1:
+        total = tl.zeros_like(acc)
+        for i in range(n_splits):  # .cg: from L2, where the other programs' sums are
+            total += tl.load(partials + (i * M + row) * N + n, mask=n < N, other=0.0, cache_modifier=".cg")
+        tl.store(out + row * N + n, total.to(out.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _quantize_kernel(x, values, scales, M, M_PAD, K, stride_xm, BLOCK_M: tl.constexpr):
+    """quantize_rows on the GPU, one launch: x [M, K] -> values [M_PAD, KB * 128] e4m3 (the last block's padding
+    and rows M.. 0), scales [KB, M_PAD] (quantize_rows' transposed: the layout cuBLAS reads; rows M.. 1); program
+    (m block, k block)."""
     m, kb = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.program_id(1)
     k, KB = kb * 128 + tl.arange(0, 128), tl.num_programs(1)
     xs = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
@@ -213,14 +238,14 @@ def _quantize_kernel(x, values, scales, M, K, stride_xm, BLOCK_M: tl.constexpr):
     scale = tl.max(tl.abs(xs.to(tl.float32)), axis=1) * 0.002232142857142857
     scale = tl.where(scale > 0, scale, 1.0)
     xq = tl.math.div_rn(xs.to(tl.float32), scale[:, None]).to(tl.float8e4nv)
-    tl.store(values + m[:, None] * KB * 128 + k[None, :], xq, mask=m[:, None] < M)
-    tl.store(scales + m * KB + kb, scale, mask=m < M)
+    tl.store(values + m[:, None] * KB * 128 + k[None, :], xq, mask=m[:, None] < M_PAD)
+    tl.store(scales + kb * M_PAD + m, scale, mask=m < M_PAD)
 
 
 @triton.jit
 def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, stride_wn, stride_sn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """a [M, KB * 128] e4m3 and a_scales [M, KB] (x quantized by _quantize_kernel) times W^T over this program's K
+    """a [M, KB * 128] e4m3 and a_scales [KB, M] (x quantized by _quantize_kernel) times W^T over this program's K
     blocks, program (m block, n block, split), on the FP8 tensor cores: each block's partial sums times the
     token's and the block's factors. Into out [M, N] in x's dtype, or with SPLIT the fp32 partial sums into
     out [split, M, N]."""
@@ -233,7 +258,7 @@ def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, s
         k = kb * 128 + c
         xs = tl.load(a + m[:, None] * stride_am + k[None, :], mask=m[:, None] < M, other=0.0)
         ws = tl.load(w + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        factors = tl.load(a_scales + m * KB + kb, mask=m < M, other=0.0)[:, None] * \
+        factors = tl.load(a_scales + kb * M + m, mask=m < M, other=0.0)[:, None] * \
             tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)[None, :]
         acc += tl.dot(xs, tl.trans(ws)) * factors
     mask = (m[:, None] < M) & (n[None, :] < N)
@@ -244,18 +269,23 @@ def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, s
 
 
 # Launch settings, chosen on an H200 by tests/gpu_fp8_linear.py (docs/performance.md, "FP8 weights"): the most
-# rows of x (tensor cores) and the rows of W per program, the waves of SMs that splitting K aims for (0: never
-# split), warps, pipeline stages. Up to WEIGHT_ONLY_ROWS rows the weight-only kernel runs, above them the tensor
-# cores. WEIGHT_ONLY_ROWS stays 1 while the CPU picks its reference in Python (Fp8Linear.forward): the compiled
-# step's batch is dynamic from 2 rows, and a test at 2 or 4 would put a guard on it.
-WEIGHT_ONLY_LAUNCH = dict(block_n=32, waves=4, num_warps=8, num_stages=3)
+# rows of x (tensor cores) and the rows of W per program, the 128-column blocks a loop (weight-only), the waves of
+# SMs that splitting K aims for (0: never split), warps, pipeline stages. Up to WEIGHT_ONLY_ROWS rows the
+# weight-only kernel runs; above them the activations are quantized and multiplied on the tensor cores, by cuBLAS
+# from CUBLAS_ROWS rows where the weights' blocks allow (_cublas_reads), else by _fp8_kernel. WEIGHT_ONLY_ROWS
+# stays 1 while the CPU picks its reference in Python (Fp8Linear.forward): the compiled step's batch is dynamic
+# from 2 rows, and a test at 2 or 4 would put a guard on it.
+WEIGHT_ONLY_LAUNCH = dict(block_n=32, groups=1, waves=4, num_warps=8, num_stages=3)
 TENSOR_CORE_LAUNCH = dict(block_m=64, block_n=64, waves=2, num_warps=4, num_stages=4)
 WEIGHT_ONLY_ROWS = 1
+CUBLAS_ROWS = 2
 
 
-def _splits(programs: int, KB: int, waves: int, device) -> tuple[int, int]:
-    """(K blocks per split, splits): K split until the grid covers `waves` waves of SMs."""
+def _splits(programs: int, KB: int, waves: int, device, multiple: int = 1) -> tuple[int, int]:
+    """(K blocks per split, splits): K split until the grid covers `waves` waves of SMs; a split's blocks a
+    multiple of `multiple`."""
     kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(device), max(1, programs)))))
+    kb_per = triton.cdiv(kb_per, multiple) * multiple
     return kb_per, triton.cdiv(KB, kb_per)
 
 
@@ -269,31 +299,37 @@ def _summed(out, x):
     return out.sum(0).to(x.dtype) if out.dim() == 3 else out  # the splits summed in a fixed order: the same every run
 
 
-def _weight_only(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages):
+def _weight_only(x, weight, scale_inv, row_block, block_n, groups, waves, num_warps, num_stages):
     M, K = x.shape
     N, KB = weight.shape[0], -(-K // BLOCK)
     n_blocks = triton.cdiv(N, block_n)
-    kb_per, splits = _splits(M * n_blocks, KB, waves, x.device)
-    out = _output(x, N, splits)
+    kb_per, splits = _splits(M * n_blocks, KB, waves, x.device, groups)
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    partials = torch.empty(splits if splits > 1 else 0, M, N, device=x.device, dtype=torch.float32)
+    arrived = torch.zeros(M if splits > 1 else 0, n_blocks, device=x.device, dtype=torch.int32)
     torch.library.wrap_triton(_weight_only_kernel)[(M, n_blocks, splits)](
-        x, weight, scale_inv, row_block, out, M, N, K, kb_per, x.stride(0), weight.stride(0), scale_inv.stride(0),
-        BLOCK_N=block_n, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages)
-    return _summed(out, x)
+        x, weight, scale_inv, row_block, out, partials, arrived, M, N, K, kb_per, splits, x.stride(0),
+        weight.stride(0), scale_inv.stride(0), BLOCK_N=block_n, GROUPS=groups, SPLIT=splits > 1,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
-TENSOR_CORE_ROWS = 4096  # rows multiplied at a time: the kernel's int32 offsets stay in range
+def _quantized(x, rows_multiple: int = 1):
+    """x [M, K] quantized per token and 128 columns by _quantize_kernel: (e4m3 [M', KB * 128], fp32 [KB, M']),
+    M' = M rounded up to rows_multiple (rows of zeros)."""
+    M, K = x.shape
+    KB, M_pad = -(-K // BLOCK), -(-M // rows_multiple) * rows_multiple
+    a = torch.empty(M_pad, KB * BLOCK, device=x.device, dtype=FP8)
+    a_scales = torch.empty(KB, M_pad, device=x.device, dtype=torch.float32)
+    torch.library.wrap_triton(_quantize_kernel)[(triton.cdiv(M_pad, 64), KB)](x, a, a_scales, M, M_pad, K,
+                                                                              x.stride(0), BLOCK_M=64)
+    return a, a_scales
 
 
 def _tensor_cores(x, weight, scale_inv, row_block, block_m, block_n, waves, num_warps, num_stages):
-    if x.shape[0] > TENSOR_CORE_ROWS:
-        return torch.cat([_tensor_cores(part, weight, scale_inv, row_block, block_m, block_n, waves, num_warps,
-                                        num_stages) for part in x.split(TENSOR_CORE_ROWS)])
     M, K = x.shape
     N, KB = weight.shape[0], -(-K // BLOCK)
-    a = torch.empty(M, KB * BLOCK, device=x.device, dtype=FP8)  # x quantized per token and 128 columns
-    a_scales = torch.empty(M, KB, device=x.device, dtype=torch.float32)
-    torch.library.wrap_triton(_quantize_kernel)[(triton.cdiv(M, 64), KB)](x, a, a_scales, M, K, x.stride(0),
-                                                                          BLOCK_M=64)
+    a, a_scales = _quantized(x)
     block_m = max(16, min(block_m, triton.next_power_of_2(M)))  # block_m: the most rows a program takes
     m_blocks, n_blocks = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
     kb_per, splits = _splits(m_blocks * n_blocks, KB, waves, x.device)
@@ -303,6 +339,27 @@ def _tensor_cores(x, weight, scale_inv, row_block, block_m, block_n, waves, num_
         scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, num_warps=num_warps,
         num_stages=num_stages)
     return _summed(out, x)
+
+
+def _cublas_reads(x, weight, scale_inv) -> bool:
+    """Whether torch._scaled_mm's blockwise product (cuBLAS; factors per token and 128 columns of x, per 128 x 128
+    block of W) takes this layer: on a Hopper GPU (cuBLAS has it for sm_90), K a multiple of 128 and its blocks
+    of 4 (the factors' padding), and no fused part ending in half a block (row_block would be n // 128)."""
+    N, K = weight.shape
+    return x.is_cuda and _hopper(x.device) and K % (4 * BLOCK) == 0 and scale_inv.shape[0] * BLOCK == N
+
+
+@functools.cache
+def _hopper(device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _cublas(x, weight, scale_inv):
+    a, a_scales = _quantized(x, rows_multiple=16)  # [M', K], [KB, M']: cuBLAS refuses 1 row (seen on an H200)
+    return torch._scaled_mm(a, weight.t(), a_scales.t(), scale_inv.t(), out_dtype=x.dtype)[:x.shape[0]]
+
+
+MAX_ROWS = 4096  # rows quantized and multiplied at a time: the kernels' int32 offsets stay in range
 
 
 def _as_torch_op(fn):
@@ -316,22 +373,34 @@ def _as_torch_op(fn):
     return op
 
 
+def _multiply(x, weight, scale_inv, row_block):
+    """The kernel for this many rows (the launch settings' comment above)."""
+    if x.shape[0] <= WEIGHT_ONLY_ROWS:
+        return _weight_only(x, weight, scale_inv, row_block, **WEIGHT_ONLY_LAUNCH)
+    if x.shape[0] >= CUBLAS_ROWS and _cublas_reads(x, weight, scale_inv):
+        return _cublas(x, weight, scale_inv)
+    return _tensor_cores(x, weight, scale_inv, row_block, **TENSOR_CORE_LAUNCH)
+
+
 @_as_torch_op
 def _fp8_linear_op(x: Tensor, weight: Tensor, scale_inv: Tensor, row_block: Tensor) -> Tensor:
-    if x.shape[0] <= WEIGHT_ONLY_ROWS:
-        return _weight_only(x.contiguous(), weight, scale_inv, row_block, **WEIGHT_ONLY_LAUNCH)
-    return _tensor_cores(x.contiguous(), weight, scale_inv, row_block, **TENSOR_CORE_LAUNCH)
+    x = x.contiguous()
+    if x.shape[0] > MAX_ROWS:
+        return torch.cat([_multiply(part, weight, scale_inv, row_block) for part in x.split(MAX_ROWS)])
+    return _multiply(x, weight, scale_inv, row_block)
 
 
-def fp8_linear(x, weight, scale_inv, row_block, weight_only: bool | None = None, **launch) -> Tensor:
-    """Triton version of linear_ref: x [M, K] times W^T, [M, N] in x's dtype. weight_only: which kernel (default:
-    the weight-only one up to WEIGHT_ONLY_ROWS rows); the tensor cores' result is linear_ref(quantized_x=True)'s.
-    launch: the chosen kernel's settings other than its *_LAUNCH's (tests/gpu_fp8_linear.py)."""
+def fp8_linear(x, weight, scale_inv, row_block, kernel: str | None = None, **launch) -> Tensor:
+    """Triton or cuBLAS version of linear_ref: x [M, K] times W^T, [M, N] in x's dtype. kernel: "weight_only",
+    "tensor_cores" or "cublas" (default: the one for this many rows); the last two give linear_ref(quantized_x=True).
+    launch: the kernel's settings other than its *_LAUNCH's (tests/gpu_fp8_linear.py)."""
     if not CAN_LAUNCH:
         raise RuntimeError("the Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before kernel "
                            "is imported; on this machine call fp8.linear_ref (same arguments)")
-    if weight_only is None:
+    if kernel is None:
         return torch.ops.tinyflow.fp8_linear(x, weight, scale_inv, row_block)
-    if weight_only:
-        return _weight_only(x.contiguous(), weight, scale_inv, row_block, **{**WEIGHT_ONLY_LAUNCH, **launch})
-    return _tensor_cores(x.contiguous(), weight, scale_inv, row_block, **{**TENSOR_CORE_LAUNCH, **launch})
+    if kernel == "cublas":
+        return _cublas(x.contiguous(), weight, scale_inv)
+    fn, default = {"weight_only": (_weight_only, WEIGHT_ONLY_LAUNCH),
+                   "tensor_cores": (_tensor_cores, TENSOR_CORE_LAUNCH)}[kernel]
+    return fn(x.contiguous(), weight, scale_inv, row_block, **{**default, **launch})

@@ -109,12 +109,10 @@ for M in (1, 16, 64):
         row_block = torch.arange(N, device=dev) // 128
         ref = fp8.linear_ref(x, values, scale, row_block).float()
         bf16_us = microseconds([lambda c=c: F.linear(x, c[0]) for c in copies])
-        for weight_only in (True, False):  # fp8.py's kernels as they are
-            us = microseconds([lambda c=c: fp8.fp8_linear(x, c[3], c[2], row_block, weight_only) for c in copies])
-            print(f"rows={M} layer={name} fp8.py {'weight-only' if weight_only else 'tensor-cores'} us={us:.3g} "
-                  f"bf16_us={bf16_us:.3g}", flush=True)
-            results.append(dict(rows=M, layer=name, how="fp8.py " + ("weight-only" if weight_only else
-                                                                       "tensor-cores"), us=us, bf16_us=bf16_us))
+        for kernel in ("weight_only", "tensor_cores"):  # fp8.py's Triton kernels as they are
+            us = microseconds([lambda c=c: fp8.fp8_linear(x, c[3], c[2], row_block, kernel) for c in copies])
+            print(f"rows={M} layer={name} fp8.py {kernel} us={us:.3g} bf16_us={bf16_us:.3g}", flush=True)
+            results.append(dict(rows=M, layer=name, how=f"fp8.py {kernel}", us=us, bf16_us=bf16_us))
         floor_us = N * K / bandwidth * 1e6
         for how in HOWS:
             if how.startswith("gemv") and M > 1:

@@ -54,11 +54,11 @@ serve)
   kill -INT $server; sleep 5; tail -3 $OUT/server.txt >> $log; rm $OUT/server.txt ;;
 fp8)
   timeout 300 python tests/gpu_fp8_linear.py --json $OUT/fp8_linear.json --write >> $log 2>&1
-  echo "fp8 linear rc=$?" >> $log; grep -A3 "^WEIGHT_ONLY_LAUNCH" fp8.py >> $log
+  echo "fp8 linear rc=$?" >> $log; grep -A4 "^WEIGHT_ONLY_LAUNCH" fp8.py >> $log
   timeout 150 python -m pytest -q tests/test_fp8.py -p no:cacheprovider -x >> $log 2>&1; echo "tests rc=$?" >> $log
   for weights in fp8 auto; do
-    timeout 150 python bench.py step --shape Qwen3-8B --batch 1 4 64 --policy longflow --weights $weights \
-      --json $OUT/step_$weights.json >> $log 2>&1
+    timeout 150 python bench.py step --shape Qwen3-8B --batch 1 4 64 --policy longflow --weights $weights --profile \
+      --json $OUT/step_$weights.json > $OUT/step_$weights.txt 2>&1
     echo "step $weights rc=$?" >> $log
   done ;;
 fp8-run)

@@ -115,16 +115,22 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
         x = on_the_e4m3_grid(M, K, seed=1)
     # each kernel with K split over programs (the default's waves) and not split (waves=0); the weight-only one,
     # a program per row, up to 17 rows (it runs at a few; 70 cost the interpreter 10 s)
-    kernels = [(True, {}), (True, {"waves": 0}), (False, {}), (False, {"waves": 0})]
-    for weight_only, launch in kernels if M <= 17 else kernels[2:]:
-        want = fp8.linear_ref(x.float(), weight, scale, rows, quantized_x=not weight_only)
-        got = fp8.fp8_linear(x, weight, scale, rows, weight_only=weight_only, **launch).float()
+    kernels = [("weight_only", {}), ("weight_only", {"waves": 0}), ("weight_only", {"groups": 2}),
+               ("tensor_cores", {}), ("tensor_cores", {"waves": 0})][0 if M <= 17 else 3:]
+    kernels += [("cublas", {})] if fp8._cublas_reads(x, weight, scale) else []  # CUDA, whole blocks
+    for name, launch in kernels:
+        want = fp8.linear_ref(x.float(), weight, scale, rows, quantized_x=name != "weight_only")
+        got = fp8.fp8_linear(x, weight, scale, rows, name, **launch).float()
         tol = dict(atol=2e-2 * want.abs().max().item(), rtol=2e-2) if CUDA else dict(atol=1e-6 * want.abs().max().item(), rtol=0)
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_above(monkeypatch):
-    weight, scale, rows = quantized_linear(256, 256, [256])
+@pytest.mark.parametrize("K", [256, 512], ids=["K-256", "K-512"])
+def test_the_op_runs_weight_only_up_to_its_rows_then_the_tensor_cores_through_cublas_where_it_reads_the_blocks(
+        monkeypatch, K):
+    """cuBLAS's blockwise product (torch._scaled_mm) from CUBLAS_ROWS rows on a Hopper GPU when K is a multiple of
+    512 (its factors come in fours); else Triton's."""
+    weight, scale, rows = quantized_linear(256, K, [256])
     ran = []
 
     def recording(name, kernel):  # a kernel's launcher that notes its name and rows first
@@ -132,13 +138,19 @@ def test_the_op_runs_the_weight_only_kernel_up_to_its_rows_and_the_tensor_cores_
             ran.append((name, len(x)))
             return kernel(x, *args, **kwargs)
         return launch
-    for name in ("_weight_only", "_tensor_cores"):
+    for name in ("_weight_only", "_tensor_cores", "_cublas"):
         monkeypatch.setattr(fp8, name, recording(name, getattr(fp8, name)))
+
+    def expected(M):
+        if M <= fp8.WEIGHT_ONLY_ROWS:
+            return "_weight_only"
+        cublas = K == 512 and CUDA and fp8._hopper(torch.device(DEVICE))
+        return "_cublas" if M >= fp8.CUBLAS_ROWS and cublas else "_tensor_cores"
     dtype = torch.bfloat16 if CUDA else torch.float32
-    for M in (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, 70):
-        fp8.fp8_linear(torch.randn(M, 256).to(DEVICE, dtype), weight, scale, rows)
-    assert ran == [("_weight_only" if M <= fp8.WEIGHT_ONLY_ROWS else "_tensor_cores", M)
-                   for M in (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, 70)]
+    counts = (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, fp8.CUBLAS_ROWS, 70)
+    for M in counts:
+        fp8.fp8_linear(torch.randn(M, K).to(DEVICE, dtype), weight, scale, rows)
+    assert ran == [(expected(M), M) for M in counts]
 
 
 def test_on_the_cpu_a_layer_runs_the_reference_of_the_kernel_a_gpu_would_pick():
@@ -153,19 +165,19 @@ def test_on_the_cpu_a_layer_runs_the_reference_of_the_kernel_a_gpu_would_pick():
         assert torch.equal(layer(x), refs[M > fp8.WEIGHT_ONLY_ROWS])
 
 
-def test_the_quantize_kernel_equals_quantize_rows():
-    """The tensor cores' activations, quantized by _quantize_kernel: quantize_rows' very e4m3 values and factors,
-    the last block's 56 padding columns 0. On the CPU the activations lie on the e4m3 grid (on_the_e4m3_grid says
-    why); on a GPU they are any."""
+def test_the_quantize_kernel_equals_quantize_rows_and_pads_rows_for_cublas():
+    """The tensor cores' activations, quantized by _quantize_kernel: quantize_rows' very e4m3 values and factors
+    (the factors transposed, [KB, M], as cuBLAS reads them), the last block's 56 padding columns 0; the rows
+    cuBLAS is given beyond M (to a multiple of 16) 0, with the factor 1. On the CPU the activations lie on the e4m3
+    grid (on_the_e4m3_grid says why); on a GPU they are any."""
     M, K = 70, 200
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)) * 3 if CUDA else on_the_e4m3_grid(M, K, 3)
-    x = x.to(DEVICE)
-    values = torch.empty(M, 256, dtype=fp8.FP8, device=DEVICE)
-    scales = torch.empty(M, 2, device=DEVICE)
-    fp8._quantize_kernel[(2, 2)](x, values, scales, M, K, x.stride(0), BLOCK_M=64)
-    want_values, want_scales = fp8.quantize_rows(x)
-    assert torch.equal(scales, want_scales)
-    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    values, scales = fp8._quantized(x.to(DEVICE), rows_multiple=16)
+    want_values, want_scales = fp8.quantize_rows(x.to(DEVICE))
+    assert values.shape == (80, 256) and scales.shape == (2, 80)
+    assert torch.equal(scales.t()[:M], want_scales) and scales[:, M:].eq(1).all()
+    assert torch.equal(values[:M].view(torch.uint8), want_values.view(torch.uint8))
+    assert values[M:].view(torch.uint8).eq(0).all()
 
 
 def test_activations_are_quantized_per_token_and_128_columns():
