@@ -7,7 +7,8 @@
 #     bash tests/gpu_ladder.sh serve         # server.py under a low load, then a sweep of loads (and its PNG)
 #     bash tests/gpu_ladder.sh fp8           # issue 28: fp8.py's launch chosen (tests/gpu_fp8_linear.py --write),
 #                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
-#     bash tests/gpu_ladder.sh fp8-run       # throughput and a 128k prefill, bf16 then FP8 weights and cache
+#     bash tests/gpu_ladder.sh fp8-check     # the activations' quantization and the step with FP8 weights, again
+#     bash tests/gpu_ladder.sh fp8-run       # a 128k prefill and throughput, FP8 weights and cache, then bf16
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 # serve needs starlette and uvicorn, which the GPU machine lacks: their wheels in .whl/ (README of the device tool).
@@ -61,12 +62,22 @@ fp8)
       --json $OUT/step_$weights.json > $OUT/step_$weights.txt 2>&1
     echo "step $weights rc=$?" >> $log
   done ;;
-fp8-run)
-  for run in "auto auto" "fp8 fp8"; do
+fp8-check)  # after a change to the kernels: the activations' quantization alone, and the step at 1 and 4 rows
+  timeout 60 python -c "import bench, fp8, torch
+for M in (1, 4, 64): x = torch.randn(M, 4096, device='cuda', dtype=torch.bfloat16); \
+print(f'_quantize_kernel, {M} x 4096: {bench.graph_time(lambda: fp8._quantized(x)) * 1e6:.2f} us')" >> $log 2>&1
+  timeout 100 python bench.py step --shape Qwen3-8B --batch 1 4 --policy longflow --weights fp8 \
+    --json $OUT/step_check.json >> $log 2>&1; echo "step fp8 rc=$?" >> $log ;;
+fp8-run)  # FP8 first; each run within what is left of the call's 570 s
+  end=$((SECONDS + 570))
+  for run in "fp8 fp8" "auto auto"; do
     set -- $run
-    timeout 200 python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 --weights $2 --validate 256 \
-      --json $OUT/throughput_$1_$2.json >> $log 2>&1; echo "throughput $run rc=$?" >> $log
-    timeout 120 python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 --kv-dtype $1 --weights $2 \
-      --json $OUT/long_prompt_$2.json >> $log 2>&1; echo "long-prompt $2 rc=$?" >> $log
+    timeout $((end - SECONDS)) python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 \
+      --kv-dtype $1 --weights $2 --json $OUT/long_prompt_$2.json >> $log 2>&1; echo "long-prompt $2 rc=$?" >> $log
+  done
+  for run in "fp8 fp8" "auto auto"; do
+    set -- $run
+    timeout $((end - SECONDS)) python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 \
+      --weights $2 --validate 256 --json $OUT/throughput_$1_$2.json >> $log 2>&1; echo "throughput $run rc=$?" >> $log
   done ;;
 esac
