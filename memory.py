@@ -15,11 +15,19 @@ SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fra
 
 def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
     """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
-    decode step's logits, probabilities, noise and sort buffers (fp32/int64 over the vocabulary: 40 bytes
-    per id), the ids its repetition penalty has seen (1 byte per id), and `extra` bytes. With FP8, also one
-    layer's keys as values, which the rules that read keys (keydiff, rkv, knorm) dequantize each step."""
+    decode step's buffers (step_bytes_per_row) and `extra` bytes."""
+    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + step_bytes_per_row(cfg, slots, dtype,
+                                                                                              kv_dtype) + extra
+
+
+def step_bytes_per_row(cfg, slots: int, dtype, kv_dtype=None) -> int:
+    """One sequence's share of the decode step's buffers: 48 bytes per vocabulary id, as measured on an H200
+    (docs/performance.md, "A server under load, and the memory planner"): the sampler's logits, probabilities,
+    noise and sort buffers (fp32/int64, 40 bytes), the ids its repetition penalty has seen (1 byte), the step's
+    temporaries in its graphs' pool (the rest); with FP8, one layer's keys as values, which the rules that read
+    keys (keydiff, rkv, knorm) dequantize each step."""
     keys = slots * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize if kv_dtype == kernel.FP8 else 0
-    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + keys + 41 * cfg.vocab_size + extra
+    return keys + 48 * cfg.vocab_size
 
 
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
@@ -49,11 +57,14 @@ def device_free_bytes(device) -> int:
 
 
 def free_bytes(engine) -> int:
-    """Free GPU memory, counting the engine's current cache, which is given back before a new one is made."""
+    """Free GPU memory, counting what the engine's current rows hold, which is given back (or kept, for the same
+    shape) before a new cache is made: their cache and their share of the step's buffers as the planner charged
+    it (without which the same batch asked again could be refused: seen at 508 rows of an FP8 cache)."""
     free = device_free_bytes(engine.device)
     if engine.cache is not None:
-        free += KVCache.bytes_needed(engine.model.cfg, engine.state.tokens.shape[0], engine.cache.slots,
-                                     engine.dtype, engine.cache.policy, engine.kv_dtype)
+        cfg, rows, slots = engine.model.cfg, engine.state.tokens.shape[0], engine.cache.slots
+        free += KVCache.bytes_needed(cfg, rows, slots, engine.dtype, engine.cache.policy, engine.kv_dtype) + \
+            rows * step_bytes_per_row(cfg, slots, engine.dtype, engine.kv_dtype)
     return free
 
 

@@ -17,6 +17,7 @@ import tinyflow
 from generate import Engine
 from sampling import Sampling, apply_penalty, sample, uniform_noise
 from policies import POLICIES, hash32
+from cache import KVCache
 from model import Config, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,9 +224,9 @@ def test_batch_estimator_picks_the_largest_batch_that_fits(checkpoints):
     fixed = memory.prefill_bytes(cfg, memory.PREFILL_TOKENS, dtype) + memory.SPARE
     row = memory.bytes_per_row(cfg, 3200, dtype)
     # 2 layers x 2 KV heads x 3200 slots x (K and V of 32 bf16, the int32 position, and the most any policy keeps
-    # beside a slot: vatp's two fp32 values), + the sampling buffers and the penalty's seen ids
+    # beside a slot: vatp's two fp32 values), + the step's share: 48 bytes per vocabulary id (measured)
     kv = 2 * 2 * 3200 * (2 * 32 * 2 + 4 + 8)
-    assert row == kv + 41 * 320
+    assert row == kv + 48 * 320
     assert memory.batch_that_fits(cfg, 3200, 100, fixed + 10 * row + row // 2, dtype) == 10
     assert memory.batch_that_fits(cfg, 3200, 100, fixed + row - 1, dtype) == 0
     assert memory.batch_that_fits(cfg, 3200, 100, fixed // 2, dtype) == 0
@@ -260,6 +261,29 @@ def test_memory_the_allocator_holds_for_no_tensor_counts_as_free(checkpoints, mo
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**30)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"inactive_split_bytes.all.current": 2**30})
     assert memory.free_bytes(engine) == 7 * 2**30
+
+
+def test_the_batch_an_engine_holds_can_be_asked_again_with_no_memory_left(checkpoints, monkeypatch):
+    """Its rows' cache and step buffers count as free (they are given back, or kept for the same shape): the same
+    batch passes again on a device with nothing else free, one row more does not."""
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    engine = Engine(model, compile=False)
+    engine.generate([[1, 2, 3]] * 6, 2, [], 64, "longflow", batch_size=6)
+    # pretend: a GPU that had room for exactly these 6 rows as the planner charges them (the cache of the policy
+    # that keeps the most, the step's buffers) before the engine took what they hold
+    engine.device = torch.device("cuda")
+    cfg = model.cfg
+    fixed = memory.prefill_bytes(cfg, memory.PREFILL_TOKENS, engine.dtype) + memory.SPARE
+    held = KVCache.bytes_needed(cfg, 6, 64, engine.dtype, engine.cache.policy) + 6 * memory.step_bytes_per_row(
+        cfg, 64, engine.dtype)
+    left = fixed + 6 * memory.bytes_per_row(cfg, 64, engine.dtype) - held
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (left, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {})
+    assert memory.pick_batch(engine, 6, 6, 64, 3) == 6
+    with pytest.raises(ValueError, match=r"7 sequences .* \(6 would fit\)"):
+        memory.pick_batch(engine, 7, 7, 64, 3)
 
 
 @pytest.mark.parametrize("budget", [None, 36])
