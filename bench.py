@@ -428,11 +428,13 @@ def bench_throughput(args, hw: Machine, model):
                              floor_fraction=floor_ms / ms, compute_bound=steps[-1]["compute_bound"],
                              peak_gib=steps[-1]["peak_gib"],
                              **setup_time(timer.setup_s, timer.compile)))
-            if args.validate:
-                rows[-1].update(validate(args, model, timer, policy, B))
             if args.dp:
                 rows[-1] = data_parallel_row(rows[-1])
-            finished(rows[-1])
+            finished(rows[-1])  # measured: kept (--json) even if its validation fails
+            if args.validate:
+                checked = validate(args, model, timer, policy, B)
+                rows[-1].update(checked)
+                finished_validation(checked)
             timer.free()
     by = {r["policy"]: r["tokens_per_s"] for r in rows}
     if "longflow" in by and "full" in by:
@@ -692,7 +694,16 @@ ROWS = []  # every row measured so far, in order: what --json writes, also when 
 def finished(row: dict):
     """A row is measured: print it and keep it."""
     ROWS.append(row)
-    print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    print(formatted(row), flush=True)
+
+
+def finished_validation(checked: dict):
+    """The last row's validation (in that row already): print it."""
+    print("  " + formatted(checked), flush=True)
+
+
+def formatted(row: dict) -> str:
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
 
 
 def plot(rows, path):

@@ -64,6 +64,23 @@ def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
             assert all(f"long-prompt, {cache}" in r.stderr for cache in ("full", "50%", "budget 40"))  # the bars
 
 
+def test_a_throughput_row_is_kept_when_its_validation_fails(tmp_path, monkeypatch, capsys):
+    """The step time is measured before the engine's run checks it: a refused validation ends the command in one
+    line, and the row measured is still written (seen on the GPU: the engine refused the batch planned)."""
+    import bench as bench_module
+
+    def refused(*args):
+        raise ValueError("508 sequences of 3200 KV slots need 129.51 GiB of GPU memory but 129.43 GiB is free")
+    monkeypatch.setattr(bench_module, "validate", refused)
+    out = tmp_path / "throughput.json"
+    code, stdout, err = bench_in_process(monkeypatch, capsys, "throughput", *TINY, "--batch", "2", "--validate", "20",
+                                         "--policy", "longflow", "--new-tokens", "24", "--budget", "40",
+                                         "--prompt-len", "80", "--json", out)
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: 508 sequences")
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["tokens_per_s"] > 0 and "validate_batch" not in row and "tokens_per_s=" in stdout
+
+
 def test_bench_transformers_baseline_runs_on_cpu(tmp_path, monkeypatch, capsys):
     out = tmp_path / "hf.json"
     code, _, err = bench_in_process(monkeypatch, capsys, "hf", "--shape", "tiny", "--device", "cpu", "--batch", "2",
