@@ -5,6 +5,7 @@
 #     bash tests/gpu_ladder.sh planner       # where the planner's rows go (tests/gpu_planner.py)
 #     bash tests/gpu_ladder.sh throughput [auto fp8]   # LongFlow at the largest batch that fits, validated
 #     bash tests/gpu_ladder.sh serve         # server.py under a low load, then a sweep of loads (and its PNG)
+#     bash tests/gpu_ladder.sh serve-profile # the same loads, the server's engine thread timed at every sync
 #     bash tests/gpu_ladder.sh fp8           # issue 28: fp8.py's launch chosen (tests/gpu_fp8_linear.py --write),
 #                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
 #     bash tests/gpu_ladder.sh fp8-check     # the activations' quantization and the step with FP8 weights, again
@@ -62,6 +63,21 @@ fp8)
       --json $OUT/step_$weights.json > $OUT/step_$weights.txt 2>&1
     echo "step $weights rc=$?" >> $log
   done ;;
+serve-profile)  # the server's engine thread timed under each load (tests/gpu_serve_profile.py)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> $log 2>&1 && export PYTHONPATH=/tmp/site
+  python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
+  python tests/gpu_serve_profile.py $OUT/engine_syncs.json $OUT/marks.txt -- --model /dev/shm/q8 --budget 3200 \
+    --max-waiting 1000 > $OUT/server.txt 2>&1 &
+  for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+  serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
+  for load in "6 0.25" "60 4" "120 16" "120 64" "120 inf"; do
+    set -- $load
+    start=$(date +%s.%N)
+    timeout 100 $serve --requests $1 --rate $2 >> $log 2>&1; echo "serve rate $2 rc=$?" >> $log
+    echo "rate-$2 $start $(date +%s.%N)" >> $OUT/marks.txt
+  done
+  pkill -INT -f gpu_serve_profile; sleep 15; cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
 fp8-check)  # after a change to the kernels: the activations' quantization alone, and the step at 1 and 4 rows
   timeout 60 python -c "import bench, fp8, torch
 for M in (1, 4, 64): x = torch.randn(M, 4096, device='cuda', dtype=torch.bfloat16); \

@@ -1,0 +1,123 @@
+"""On a GPU (issue 27): where the server's engine thread spends each host sync under load. server.py runs in this
+process with timers put around the engine loop's parts from here (server.py and generate.py are not changed).
+Once the server stops (SIGINT), it writes every sync's times to OUT.json and prints, for each window of time in
+the marks file (lines `label start end`, seconds since the epoch; `bash tests/gpu_ladder.sh serve-profile`
+writes it), the mean per sync:
+
+  rows      the step's size (the ladder's, holding the busy rows)
+  cycle     wall time from one sync to the next, per step (16 steps a sync)
+  gpu       the GPU's time from the first step's start to the last one's end, per step (CUDA events)
+  enqueue   the host's time launching the 16 steps (graph replays), in all
+  wait      from the last launch until the block's tokens are on the host (the sync itself)
+  keep      handing each busy row's tokens to its request (and to its client's queue)
+  arrive    taking new requests (waiting for one while no row is busy), emptying the free rows' caches
+  prefill   prefilling new requests into free rows, with their first tokens
+  compact   moving busy rows down into free rows
+  rest      the cycle's time not in the parts above
+
+    python tests/gpu_serve_profile.py OUT.json MARKS -- SERVER_OPTIONS...
+"""
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import generate  # noqa: E402
+import server  # noqa: E402
+import step  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+SYNCS = []  # one dict per host sync of the engine thread
+current = defaultdict(float)  # the sync being timed
+
+
+def timed(part: str, fn):
+    """fn, its time added to the current sync's `part` (the engine thread's calls only)."""
+    def wrapper(*args, **kwargs):
+        if threading.current_thread().name != "engine":
+            return fn(*args, **kwargs)
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            current[part] += time.perf_counter() - t
+            current[part + "_end"] = time.perf_counter()
+    return wrapper
+
+
+def stepper_call(original):
+    """The graph replays: their launch time, and CUDA events around the sync's first and last step."""
+    def call(self):
+        if not current["steps"]:
+            current["events"] = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if CUDA else None
+            current["rows"] = self.size
+            if CUDA:
+                current["events"][0].record()
+        timed("enqueue", original)(self)
+        current["steps"] += 1
+        if CUDA:
+            current["events"][1].record()
+    return call
+
+
+def serve(original):
+    """Engine.serve, each sync from its yield to the next one a record."""
+    def run(self, *args, **kwargs):
+        start = time.perf_counter()
+        for _ in original(self, *args, **kwargs):
+            now = time.perf_counter()
+            if current["steps"]:
+                record = {k: v for k, v in current.items() if not k.endswith("_end") and k != "events"}
+                record.update(at=time.time(), cycle=now - start, events=current["events"],
+                              wait=current["keep_end"] - current["keep"] - current["enqueue_end"])
+                SYNCS.append(record)
+            current.clear()
+            start = now
+            yield
+    return run
+
+
+def summary(syncs: list, label: str) -> str:
+    if not syncs:
+        return f"{label}: no host sync"
+    mean = lambda key: statistics.fmean(s.get(key, 0.0) for s in syncs)
+    parts = ["enqueue", "wait", "keep", "arrive", "prefill", "compact"]
+    rest = mean("cycle") - sum(mean(p) for p in parts)
+    per_step = lambda key: mean(key) / mean("steps") * 1e3
+    return (f"{label}: {len(syncs)} syncs, rows {mean('rows'):.1f}, cycle {per_step('cycle'):.2f} ms/step, "
+            f"gpu {per_step('gpu'):.2f} ms/step; per sync (ms): "
+            + ", ".join(f"{p} {mean(p) * 1e3:.2f}" for p in parts) + f", rest {rest * 1e3:.2f}")
+
+
+def main():
+    out, marks = sys.argv[1], sys.argv[2]
+    generate.Engine.serve = serve(generate.Engine.serve)
+    generate.Engine._keep_block = timed("keep", generate.Engine._keep_block)
+    generate.Engine._take_arrivals = timed("arrive", generate.Engine._take_arrivals)
+    generate.Engine._fill_free_rows = timed("prefill", generate.Engine._fill_free_rows)
+    generate.Engine._compact = timed("compact", generate.Engine._compact)
+    step.Stepper.__call__ = stepper_call(step.Stepper.__call__)
+    try:
+        server.main(sys.argv[sys.argv.index("--") + 1:])
+    except SystemExit:
+        pass
+    if CUDA:
+        torch.cuda.synchronize()
+    for s in SYNCS:  # on the CPU (a dry run of this script) the steps ran as they were launched
+        events = s.pop("events")
+        s["gpu"] = events[0].elapsed_time(events[1]) / 1e3 if events else 0.0
+    with open(out, "w") as f:
+        json.dump(SYNCS, f)
+    windows = [line.split() for line in open(marks)] if os.path.exists(marks) else [["all", "0", "inf"]]
+    for label, start, end in windows:
+        print(summary([s for s in SYNCS if float(start) <= s["at"] <= float(end)], label), flush=True)
+
+
+if __name__ == "__main__":
+    main()
