@@ -321,7 +321,8 @@ def _quantized(x, rows_multiple: int = 1):
     KB, M_pad = -(-K // BLOCK), -(-M // rows_multiple) * rows_multiple
     a = torch.empty(M_pad, KB * BLOCK, device=x.device, dtype=FP8)
     a_scales = torch.empty(KB, M_pad, device=x.device, dtype=torch.float32)
-    block_m = min(64, triton.next_power_of_2(M_pad))  # 64 rows a program cost 10 us at 1 to 4 rows, 3.6 at 64
+    block_m = min(64, triton.next_power_of_2(M_pad))  # no more rows than there are: a block of 64, nearly
+    # all masked, was slower at a few rows than at 64 (docs/performance.md, "FP8 weights")
     torch.library.wrap_triton(_quantize_kernel)[(triton.cdiv(M_pad, block_m), KB)](x, a, a_scales, M, M_pad, K,
                                                                                    x.stride(0), BLOCK_M=block_m)
     return a, a_scales
@@ -344,15 +345,26 @@ def _tensor_cores(x, weight, scale_inv, row_block, block_m, block_n, waves, num_
 
 def _cublas_reads(x, weight, scale_inv) -> bool:
     """Whether torch._scaled_mm's blockwise product (cuBLAS; factors per token and 128 columns of x, per 128 x 128
-    block of W) takes this layer: on a Hopper GPU (cuBLAS has it for sm_90), K a multiple of 128 and its blocks
-    of 4 (the factors' padding), and no fused part ending in half a block (row_block would be n // 128)."""
+    block of W) takes this layer: where this torch and GPU have it (_cublas_blockwise), K a multiple of 128 and
+    its blocks of 4 (the factors' padding), and no fused part ending in half a block (row_block would be
+    n // 128)."""
     N, K = weight.shape
-    return x.is_cuda and _hopper(x.device) and K % (4 * BLOCK) == 0 and scale_inv.shape[0] * BLOCK == N
+    return x.is_cuda and K % (4 * BLOCK) == 0 and scale_inv.shape[0] * BLOCK == N and _cublas_blockwise(x.device)
 
 
 @functools.cache
-def _hopper(device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
+def _cublas_blockwise(device) -> bool:
+    """A Hopper GPU (cuBLAS has the blockwise product for sm_90) whose torch runs it: cuBLAS 12.9 and a torch
+    that passes the factors on (mid-2025) are needed, so one small product is tried, once, before any capture
+    (the step's warm-up runs every size first)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    x = torch.ones(16, 4 * BLOCK, device=device)
+    try:
+        _cublas(x, torch.ones(BLOCK, 4 * BLOCK, device=device).to(FP8), torch.ones(1, 4, device=device))
+        return True
+    except RuntimeError:
+        return False
 
 
 def _cublas(x, weight, scale_inv):
@@ -374,21 +386,23 @@ def _as_torch_op(fn):
     return op
 
 
-def _multiply(x, weight, scale_inv, row_block):
+@_as_torch_op
+def _fp8_linear_op(x: Tensor, weight: Tensor, scale_inv: Tensor, row_block: Tensor) -> Tensor:
     """The kernel for this many rows (the launch settings' comment above)."""
+    x = x.contiguous()
     if x.shape[0] <= WEIGHT_ONLY_ROWS:
         return _weight_only(x, weight, scale_inv, row_block, **WEIGHT_ONLY_LAUNCH)
+    if x.shape[0] > MAX_ROWS:
+        return torch.cat([_quantized_product(part, weight, scale_inv, row_block) for part in x.split(MAX_ROWS)])
+    return _quantized_product(x, weight, scale_inv, row_block)
+
+
+def _quantized_product(x, weight, scale_inv, row_block):
+    """x quantized and multiplied on the tensor cores: by cuBLAS from CUBLAS_ROWS rows where it reads the layer,
+    else by Triton (each part of a long x, however few its rows: the same math either way)."""
     if x.shape[0] >= CUBLAS_ROWS and _cublas_reads(x, weight, scale_inv):
         return _cublas(x, weight, scale_inv)
     return _tensor_cores(x, weight, scale_inv, row_block, **TENSOR_CORE_LAUNCH)
-
-
-@_as_torch_op
-def _fp8_linear_op(x: Tensor, weight: Tensor, scale_inv: Tensor, row_block: Tensor) -> Tensor:
-    x = x.contiguous()
-    if x.shape[0] > MAX_ROWS:
-        return torch.cat([_multiply(part, weight, scale_inv, row_block) for part in x.split(MAX_ROWS)])
-    return _multiply(x, weight, scale_inv, row_block)
 
 
 def fp8_linear(x, weight, scale_inv, row_block, kernel: str | None = None, **launch) -> Tensor:

@@ -26,7 +26,7 @@ from cli import (Parser, add_cache_options, batch_size, check_policy_args, check
                  read_prompt, run_command)
 import kernel
 import parallel
-from memory import PREFILL_TOKENS, batch_that_fits, free_bytes, pick_batch
+from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
 from model import DTYPES, Transformer, load
 from sampling import BadSetting, Sampler, Sampling, seeds_for, settings_for
 from step import RING, Forcing, State, Stepper
@@ -190,6 +190,7 @@ class Engine:
         self.model, self.compile, self.sync_every = model, compile, sync_every
         self.allow_long_context, self.kv_dtype = allow_long_context, kv_dtype
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
+        self.held_bytes = 0  # GPU memory they hold (memory.free_bytes)
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         kernel.check_support(self.device, model.cfg.head_dim, kv_dtype)
@@ -302,6 +303,7 @@ class Engine:
         self.key = self.stepper = self.cache = self.state = self.mode = None  # free the old cache first
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        before = allocated(self.device)
         self.cache = KVCache(self.model.cfg, batch, slots, self.device, self.dtype, policy, prompt_rule,
                              self.kv_dtype, self.model.tp)
         self.state = State.empty(batch, self.device)
@@ -309,7 +311,7 @@ class Engine:
         self.mode = Sampler.empty(batch, vocab, self.device) if mode == "sample" else \
             Forcing.empty(batch, mode[0], vocab, mode[1], self.device)
         self.stepper = Stepper(self.model, self.cache, self.state, self.mode, self.compile)
-        self.key = key
+        self.key, self.held_bytes = key, allocated(self.device) - before
 
     def serve(self, feed, batch_size: int, slots: int, policy: Policy, prompt_rule: str = "snapkv"):
         """Continuous batching, for server.py: a generator that decodes the requests feed.arrivals() hands

@@ -56,16 +56,17 @@ def device_free_bytes(device) -> int:
     return torch.cuda.mem_get_info(device)[0] + held_free - pieces
 
 
+def allocated(device) -> int:
+    """Bytes PyTorch's tensors hold on a CUDA device (0 elsewhere)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def free_bytes(engine) -> int:
-    """Free GPU memory, counting what the engine's current rows hold, which is given back (or kept, for the same
-    shape) before a new cache is made: their cache and their share of the step's buffers as the planner charged
-    it (without which the same batch asked again could be refused: seen at 508 rows of an FP8 cache)."""
-    free = device_free_bytes(engine.device)
-    if engine.cache is not None:
-        cfg, rows, slots = engine.model.cfg, engine.state.tokens.shape[0], engine.cache.slots
-        free += KVCache.bytes_needed(cfg, rows, slots, engine.dtype, engine.cache.policy, engine.kv_dtype) + \
-            rows * step_bytes_per_row(cfg, slots, engine.dtype, engine.kv_dtype)
-    return free
+    """Free GPU memory, counting what the engine's current shape holds (its cache, buffers and what its captured
+    steps keep: engine.held_bytes, measured when they were made), which is given back, or kept for the same
+    shape, before a new cache is made. (Counting its cache alone, the same batch asked again was refused at 508
+    rows of an FP8 cache.)"""
+    return device_free_bytes(engine.device) + (engine.held_bytes if engine.cache is not None else 0)
 
 
 def pick_batch(engine, asked: int | None, n_prompts: int, slots: int, longest: int, extra: int = 0) -> int:

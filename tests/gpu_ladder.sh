@@ -69,6 +69,7 @@ serve-profile)  # the server's engine thread timed under each load (tests/gpu_se
   python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
   python tests/gpu_serve_profile.py $OUT/engine_syncs.json $OUT/marks.txt -- --model /dev/shm/q8 --budget 3200 \
     --max-waiting 1000 > $OUT/server.txt 2>&1 &
+  server=$!
   for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
   serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
   for load in "6 0.25" "60 4" "120 16" "120 64" "120 inf"; do
@@ -77,7 +78,7 @@ serve-profile)  # the server's engine thread timed under each load (tests/gpu_se
     timeout 100 $serve --requests $1 --rate $2 >> $log 2>&1; echo "serve rate $2 rc=$?" >> $log
     echo "rate-$2 $start $(date +%s.%N)" >> $OUT/marks.txt
   done
-  pkill -INT -f gpu_serve_profile; sleep 15; cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+  kill -INT $server; wait $server; cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
 fp8-check)  # after a change to the kernels: the activations' quantization alone, and the step at 1 and 4 rows
   timeout 60 python -c "import bench, fp8, torch
 for M in (1, 4, 64): x = torch.randn(M, 4096, device='cuda', dtype=torch.bfloat16); \
@@ -86,14 +87,15 @@ print(f'_quantize_kernel, {M} x 4096: {bench.graph_time(lambda: fp8._quantized(x
     --json $OUT/step_check.json >> $log 2>&1; echo "step fp8 rc=$?" >> $log ;;
 fp8-run)  # FP8 first; each run within what is left of the call's 570 s
   end=$((SECONDS + 570))
+  left() { echo $((end - SECONDS > 10 ? end - SECONDS : 1)); }  # never 0: timeout 0 would mean no limit
   for run in "fp8 fp8" "auto auto"; do
     set -- $run
-    timeout $((end - SECONDS)) python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 \
+    timeout $(left) python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 \
       --kv-dtype $1 --weights $2 --json $OUT/long_prompt_$2.json >> $log 2>&1; echo "long-prompt $2 rc=$?" >> $log
   done
   for run in "fp8 fp8" "auto auto"; do
     set -- $run
-    timeout $((end - SECONDS)) python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 \
+    timeout $(left) python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 \
       --weights $2 --validate 256 --json $OUT/throughput_$1_$2.json >> $log 2>&1; echo "throughput $run rc=$?" >> $log
   done ;;
 esac

@@ -5,12 +5,13 @@ the marks file (lines `label start end`, seconds since the epoch; `bash tests/gp
 writes it), the mean per sync:
 
   rows      the step's size (the ladder's, holding the busy rows)
-  cycle     wall time from one sync to the next, per step (16 steps a sync)
+  cycle     wall time from one sync to the next, per step (16 steps a sync), less `idle` and the start-up
   gpu       the GPU's time from the first step's start to the last one's end, per step (CUDA events)
   enqueue   the host's time launching the 16 steps (graph replays), in all
   wait      from the last launch until the block's tokens are on the host (the sync itself)
   keep      handing each busy row's tokens to its request (and to its client's queue)
-  arrive    taking new requests (waiting for one while no row is busy), emptying the free rows' caches
+  idle      waiting for a request while no row is busy
+  arrive    taking new requests, emptying the free rows' caches
   prefill   prefilling new requests into free rows, with their first tokens
   compact   moving busy rows down into free rows
   rest      the cycle's time not in the parts above
@@ -66,15 +67,24 @@ def stepper_call(original):
     return call
 
 
+def arrivals(original):
+    """Feed.arrivals, its time while no row is busy (it waits for a request) counted as `idle`."""
+    def arrive(self, idle: bool):
+        return timed("idle", original)(self, idle) if idle else original(self, idle)
+    return arrive
+
+
 def serve(original):
-    """Engine.serve, each sync from its yield to the next one a record."""
+    """Engine.serve, each sync from its yield to the next one a record (the first from the end of _prepare)."""
     def run(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = None
         for _ in original(self, *args, **kwargs):
             now = time.perf_counter()
             if current["steps"]:
                 record = {k: v for k, v in current.items() if not k.endswith("_end") and k != "events"}
-                record.update(at=time.time(), cycle=now - start, events=current["events"],
+                record.update(at=time.time(), events=current["events"],
+                              cycle=now - (start or current["prepare_end"]) - current["idle"],
+                              arrive=current["arrive"] - current["idle"],
                               wait=current["keep_end"] - current["keep"] - current["enqueue_end"])
                 SYNCS.append(record)
             current.clear()
@@ -87,11 +97,11 @@ def summary(syncs: list, label: str) -> str:
     if not syncs:
         return f"{label}: no host sync"
     mean = lambda key: statistics.fmean(s.get(key, 0.0) for s in syncs)
-    parts = ["enqueue", "wait", "keep", "arrive", "prefill", "compact"]
+    parts = ["enqueue", "wait", "keep", "arrive", "prefill", "compact"]  # the cycle's, idle left out
     rest = mean("cycle") - sum(mean(p) for p in parts)
     per_step = lambda key: mean(key) / mean("steps") * 1e3
     return (f"{label}: {len(syncs)} syncs, rows {mean('rows'):.1f}, cycle {per_step('cycle'):.2f} ms/step, "
-            f"gpu {per_step('gpu'):.2f} ms/step; per sync (ms): "
+            f"gpu {per_step('gpu'):.2f} ms/step; per sync (ms): idle {mean('idle') * 1e3:.2f}, "
             + ", ".join(f"{p} {mean(p) * 1e3:.2f}" for p in parts) + f", rest {rest * 1e3:.2f}")
 
 
@@ -102,6 +112,8 @@ def main():
     generate.Engine._take_arrivals = timed("arrive", generate.Engine._take_arrivals)
     generate.Engine._fill_free_rows = timed("prefill", generate.Engine._fill_free_rows)
     generate.Engine._compact = timed("compact", generate.Engine._compact)
+    generate.Engine._prepare = timed("prepare", generate.Engine._prepare)
+    server.Feed.arrivals = arrivals(server.Feed.arrivals)
     step.Stepper.__call__ = stepper_call(step.Stepper.__call__)
     try:
         server.main(sys.argv[sys.argv.index("--") + 1:])

@@ -115,8 +115,9 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
         x = on_the_e4m3_grid(M, K, seed=1)
     # each kernel with K split over programs (the default's waves) and not split (waves=0); the weight-only one,
     # a program per row, up to 17 rows (it runs at a few; 70 cost the interpreter 10 s)
-    kernels = [("weight_only", {}), ("weight_only", {"waves": 0}), ("weight_only", {"groups": 2}),
-               ("tensor_cores", {}), ("tensor_cores", {"waves": 0})][0 if M <= 17 else 3:]
+    kernels = [("weight_only", {}), ("weight_only", {"waves": 0}), ("weight_only", {"groups": 1}),
+               ("weight_only", {"groups": 4}),
+               ("tensor_cores", {}), ("tensor_cores", {"waves": 0})][0 if M <= 17 else 4:]
     kernels += [("cublas", {})] if fp8._cublas_reads(x, weight, scale) else []  # CUDA, whole blocks
     for name, launch in kernels:
         want = fp8.linear_ref(x.float(), weight, scale, rows, quantized_x=name != "weight_only")
@@ -125,32 +126,51 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
         torch.testing.assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("K", [256, 512], ids=["K-256", "K-512"])
-def test_the_op_runs_weight_only_up_to_its_rows_then_the_tensor_cores_through_cublas_where_it_reads_the_blocks(
-        monkeypatch, K):
-    """cuBLAS's blockwise product (torch._scaled_mm) from CUBLAS_ROWS rows on a Hopper GPU when K is a multiple of
-    512 (its factors come in fours); else Triton's."""
-    weight, scale, rows = quantized_linear(256, K, [256])
+def recording_kernels(monkeypatch) -> list:
+    """fp8.py's three launchers, each noting (its name, its rows) in the list returned before it runs."""
     ran = []
 
-    def recording(name, kernel):  # a kernel's launcher that notes its name and rows first
+    def recording(name, kernel):
         def launch(x, *args, **kwargs):
             ran.append((name, len(x)))
             return kernel(x, *args, **kwargs)
         return launch
     for name in ("_weight_only", "_tensor_cores", "_cublas"):
         monkeypatch.setattr(fp8, name, recording(name, getattr(fp8, name)))
+    return ran
+
+
+@pytest.mark.parametrize("K", [256, 512], ids=["K-256", "K-512"])
+def test_the_op_runs_weight_only_up_to_its_rows_then_the_tensor_cores_through_cublas_where_it_reads_the_blocks(
+        monkeypatch, K):
+    """cuBLAS's blockwise product (torch._scaled_mm) from CUBLAS_ROWS rows on a Hopper GPU when K is a multiple of
+    512 (its factors come in fours); else Triton's."""
+    weight, scale, rows = quantized_linear(256, K, [256])
+    ran = recording_kernels(monkeypatch)
 
     def expected(M):
         if M <= fp8.WEIGHT_ONLY_ROWS:
             return "_weight_only"
-        cublas = K == 512 and CUDA and fp8._hopper(torch.device(DEVICE))
+        cublas = K == 512 and CUDA and fp8._cublas_blockwise(torch.device(DEVICE))
         return "_cublas" if M >= fp8.CUBLAS_ROWS and cublas else "_tensor_cores"
     dtype = torch.bfloat16 if CUDA else torch.float32
     counts = (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, fp8.CUBLAS_ROWS, 70)
     for M in counts:
         fp8.fp8_linear(torch.randn(M, K).to(DEVICE, dtype), weight, scale, rows)
     assert ran == [(expected(M), M) for M in counts]
+
+
+def test_more_rows_than_max_rows_are_multiplied_in_parts_all_with_quantized_activations(monkeypatch):
+    """A long prefill in parts of MAX_ROWS (the kernels' int32 offsets): a last part of one row still goes to the
+    tensor cores, as the CPU's reference assumes, not to the weight-only kernel."""
+    weight, scale, rows = quantized_linear(256, 256, [256])
+    ran = recording_kernels(monkeypatch)
+    monkeypatch.setattr(fp8, "MAX_ROWS", 4)
+    x = on_the_e4m3_grid(5, 256, seed=4).to(DEVICE)
+    got = fp8.fp8_linear(x, weight, scale, rows)
+    assert ran == [("_tensor_cores", 4), ("_tensor_cores", 1)]
+    want = fp8.linear_ref(x, weight, scale, rows, quantized_x=True)
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)  # float32, another order
 
 
 def test_on_the_cpu_a_layer_runs_the_reference_of_the_kernel_a_gpu_would_pick():

@@ -17,7 +17,6 @@ import tinyflow
 from generate import Engine
 from sampling import Sampling, apply_penalty, sample, uniform_noise
 from policies import POLICIES, hash32
-from cache import KVCache
 from model import Config, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -264,19 +263,18 @@ def test_memory_the_allocator_holds_for_no_tensor_counts_as_free(checkpoints, mo
 
 
 def test_the_batch_an_engine_holds_can_be_asked_again_with_no_memory_left(checkpoints, monkeypatch):
-    """Its rows' cache and step buffers count as free (they are given back, or kept for the same shape): the same
-    batch passes again on a device with nothing else free, one row more does not."""
+    """What the engine's shape holds (measured as it is made: here 3 GiB, pretended) counts as free, since it is
+    given back, or kept for the same shape: the same batch passes again on a device with nothing else free, one
+    row more does not."""
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     engine = Engine(model, compile=False)
+    held = iter([0, 3 * 2**30])  # the allocator's count before and after the engine makes its 6 rows
+    monkeypatch.setattr(generate, "allocated", lambda device: next(held))
     engine.generate([[1, 2, 3]] * 6, 2, [], 64, "longflow", batch_size=6)
-    # pretend: a GPU that had room for exactly these 6 rows as the planner charges them (the cache of the policy
-    # that keeps the most, the step's buffers) before the engine took what they hold
+    # pretend: a GPU that had room for exactly these 6 rows as the planner charges them, less what they took
     engine.device = torch.device("cuda")
-    cfg = model.cfg
-    fixed = memory.prefill_bytes(cfg, memory.PREFILL_TOKENS, engine.dtype) + memory.SPARE
-    held = KVCache.bytes_needed(cfg, 6, 64, engine.dtype, engine.cache.policy) + 6 * memory.step_bytes_per_row(
-        cfg, 64, engine.dtype)
-    left = fixed + 6 * memory.bytes_per_row(cfg, 64, engine.dtype) - held
+    fixed = memory.prefill_bytes(model.cfg, memory.PREFILL_TOKENS, engine.dtype) + memory.SPARE
+    left = fixed + 6 * memory.bytes_per_row(model.cfg, 64, engine.dtype) - 3 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (left, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
