@@ -17,6 +17,7 @@ factor row each weight row uses. Fp8Linear multiplies by W two ways, both next t
 The CPU runs the reference of the kernel the GPU would pick (linear_ref, quantized_x above WEIGHT_ONLY_ROWS rows).
 """
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
@@ -349,21 +350,27 @@ def _cublas_reads(x, weight, scale_inv) -> bool:
     its blocks of 4 (the factors' padding), and no fused part ending in half a block (row_block would be
     n // 128)."""
     N, K = weight.shape
-    return x.is_cuda and K % (4 * BLOCK) == 0 and scale_inv.shape[0] * BLOCK == N and _cublas_blockwise(x.device)
+    return (x.is_cuda and K % (4 * BLOCK) == 0 and scale_inv.shape[0] * BLOCK == N
+            and _cublas_blockwise(x.device, x.dtype))
 
 
 @functools.cache
-def _cublas_blockwise(device) -> bool:
-    """A Hopper GPU (cuBLAS has the blockwise product for sm_90) whose torch runs it: cuBLAS 12.9 and a torch
-    that passes the factors on (mid-2025) are needed, so one small product is tried, once, before any capture
-    (the step's warm-up runs every size first)."""
+def _cublas_blockwise(device, dtype) -> bool:
+    """A Hopper GPU (cuBLAS has the blockwise product for sm_90) whose torch runs it into `dtype`: cuBLAS 12.9
+    and a torch that passes the factors on (mid-2025) are needed, so one small product is tried, once. It runs
+    uncaptured: each step size's warm-up runs before its capture, and prefill is eager. Where it fails, the
+    Triton kernel multiplies, and a warning says so."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    x = torch.ones(16, 4 * BLOCK, device=device)
+    x = torch.ones(16, 4 * BLOCK, device=device, dtype=dtype)
     try:
         _cublas(x, torch.ones(BLOCK, 4 * BLOCK, device=device).to(FP8), torch.ones(1, 4, device=device))
         return True
-    except RuntimeError:
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError) as e:  # refused before any launch: the argument checks, cuBLAS's heuristics
+        warnings.warn(f"FP8 weights: cuBLAS's blockwise product does not run here ({str(e).splitlines()[0]}); "
+                      f"the Triton kernel multiplies at every batch size (slower from 128 rows)")
         return False
 
 

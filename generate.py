@@ -301,6 +301,7 @@ class Engine:
             self.cache.reset()
             return
         self.key = self.stepper = self.cache = self.state = self.mode = None  # free the old cache first
+        self.held_bytes = 0  # and count none of it (also if what follows fails)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         before = allocated(self.device)

@@ -54,8 +54,9 @@ def _swapped_kernel(w, s, row_block, a, a_scales, out, partials, arrived, M, M_P
 
 
 def swapped(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stages):
-    """x [1, K] times W^T through _swapped_kernel."""
+    """x [1, K] times W^T through _swapped_kernel (the one row this experiment times)."""
     M, K = x.shape
+    assert M == 1, "the kernel keeps the product's first row only"
     N, KB = weight.shape[0], -(-K // fp8.BLOCK)
     a, a_scales = fp8._quantized(x, rows_multiple=16)
     n_blocks = triton.cdiv(N, block_n)
@@ -83,11 +84,13 @@ def main():
         layers[name] = [fp8.Fp8Linear.of(torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16))
                         for _ in range(max(2, -(-256 * 2**20 // (N * K))))]  # >= 256 MB of e4m3 weights in all
         inputs[name] = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-    for name, copies in layers.items():  # against the reference first
+    for (name, copies), launch in itertools.product(layers.items(), LAUNCHES):  # against the reference first
         q, x = copies[0], inputs[name]
         want = fp8.linear_ref(x.float(), q.weight, q.weight_scale_inv, q.row_block, quantized_x=True)
-        got = swapped(x, q.weight, q.weight_scale_inv, q.row_block, **LAUNCHES[0]).float()
-        print(f"{name}: largest error / largest output {((got - want).abs().max() / want.abs().max()).item():.2e}")
+        got = swapped(x, q.weight, q.weight_scale_inv, q.row_block, **launch).float()
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        assert error < 1e-2, f"{name} {launch}: largest error {error:.2e} of the largest output (bf16's: ~4e-3)"
+    print("every launch equals linear_ref(quantized_x=True) to bf16's rounding", flush=True)
 
     def total(fn) -> float:
         return sum(microseconds([lambda q=q: fn(inputs[name], q) for q in copies]) for name, copies in layers.items())

@@ -79,7 +79,9 @@ serve-profile)  # the server's engine thread timed under each load (tests/gpu_se
     timeout 100 $serve --requests $1 --rate $2 >> $log 2>&1; echo "serve rate $2 rc=$?" >> $log
     echo "rate-$2 $start $(date +%s.%N)" >> $OUT/marks.txt
   done
-  kill -INT $server; wait $server; cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+  kill -INT $server  # it shuts down (5 s of grace for open streams), then prints its summary
+  for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done; kill -KILL $server 2>/dev/null
+  cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
 fp8-swap)  # the next experiment: one row on the tensor cores with the weights as M (tests/gpu_fp8_swap.py)
   timeout 300 python tests/gpu_fp8_swap.py --json $OUT/fp8_swap.json >> $log 2>&1; echo "fp8 swap rc=$?" >> $log ;;
 fp8-check)  # after a change to the kernels: the activations' quantization alone, and the step at 1 and 4 rows
@@ -90,14 +92,16 @@ print(f'_quantize_kernel, {M} x 4096: {bench.graph_time(lambda: fp8._quantized(x
     --json $OUT/step_check.json >> $log 2>&1; echo "step fp8 rc=$?" >> $log ;;
 fp8-run)  # FP8 first; each run within what is left of the call's 570 s
   end=$((SECONDS + 570))
-  left() { echo $((end - SECONDS > 10 ? end - SECONDS : 1)); }  # never 0: timeout 0 would mean no limit
+  left() { echo $((end - SECONDS)); }
   for run in "fp8 fp8" "auto auto"; do
     set -- $run
+    [ $(left) -gt 10 ] || { echo "long-prompt $2: no time left" >> $log; continue; }  # (timeout 0: no limit)
     timeout $(left) python bench.py long-prompt --shape Qwen3-8B --prompt-len 131072 --new-tokens 64 \
       --kv-dtype $1 --weights $2 --json $OUT/long_prompt_$2.json >> $log 2>&1; echo "long-prompt $2 rc=$?" >> $log
   done
   for run in "fp8 fp8" "auto auto"; do
     set -- $run
+    [ $(left) -gt 10 ] || { echo "throughput $run: no time left" >> $log; continue; }
     timeout $(left) python bench.py throughput --shape Qwen3-8B --policy longflow --kv-dtype $1 \
       --weights $2 --validate 256 --json $OUT/throughput_$1_$2.json >> $log 2>&1; echo "throughput $run rc=$?" >> $log
   done ;;

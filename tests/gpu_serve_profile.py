@@ -83,7 +83,8 @@ def serve(original):
             if current["steps"]:
                 record = {k: v for k, v in current.items() if not k.endswith("_end") and k != "events"}
                 record.update(at=time.time(), events=current["events"],
-                              cycle=now - (start or current["prepare_end"]) - current["idle"],
+                              cycle=now - (start if start is not None else current.get("prepare_end", now))
+                              - current["idle"],
                               arrive=current["arrive"] - current["idle"],
                               wait=current["keep_end"] - current["keep"] - current["enqueue_end"])
                 SYNCS.append(record)

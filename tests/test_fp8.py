@@ -151,7 +151,7 @@ def test_the_op_runs_weight_only_up_to_its_rows_then_the_tensor_cores_through_cu
     def expected(M):
         if M <= fp8.WEIGHT_ONLY_ROWS:
             return "_weight_only"
-        cublas = K == 512 and CUDA and fp8._cublas_blockwise(torch.device(DEVICE))
+        cublas = K == 512 and CUDA and fp8._cublas_blockwise(torch.device(DEVICE), dtype)
         return "_cublas" if M >= fp8.CUBLAS_ROWS and cublas else "_tensor_cores"
     dtype = torch.bfloat16 if CUDA else torch.float32
     counts = (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, fp8.CUBLAS_ROWS, 70)
