@@ -166,6 +166,7 @@ def run_command(body, memory_error: type[BaseException], memory_advice, interrup
         sys.stdout = open(os.devnull, "w")
     try:
         body()
+        parallel.barrier()
     except (ValueError, FileNotFoundError) as e:
         say(parallel.report(e))
         sys.exit(2)

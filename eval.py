@@ -1207,6 +1207,7 @@ def run_main(args):
         summaries = evaluate_runs(args, proto, runs, items, paths, digest)
         if parallel.rank() == 0:
             write_table(summaries, out_dir)
+        parallel.barrier()
     except KeyboardInterrupt:
         if parallel.rank() > 0:  # rank 0 counts (and says) what every rank saved
             sys.exit(130)

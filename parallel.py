@@ -201,6 +201,13 @@ def gather(obj) -> list:
     return objs
 
 
+def barrier():
+    """Every rank here before any goes on: at the end of a run, before the group is left (a rank that left while
+    another still finished its part was seen to abort at exit: "terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def stop():
     """Leave the process group at the end of a run (torch warns about a group never destroyed)."""
     if dist.is_initialized():
