@@ -188,8 +188,7 @@ def _weight_only_kernel(x, w, s, row_block, out, partials, arrived, M, N, K, KB_
     cores: the e4m3 weights widened to fp32 and multiplied-added in fp32 (for a tensor-core product they would go
     to 16 bits first, which costs more than the product at a few rows). GROUPS blocks of 128 columns a loop
     (KB_PER a multiple of it). The rows are the grid's fastest axis, so the programs of one weight tile run
-    together and read it from L2 but once. Into out [M, N] in x's dtype; with SPLIT through partials
-    [n_splits, M, N] fp32 and arrived [M, n blocks] int32 zeros (_add_splits)."""
+    together and read it from L2 but once. Into out [M, N] in x's dtype (with SPLIT through _add_splits)."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(2)  # int64: row * K past 2^31 at ~90k rows
     n, c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, 128)
     scale_row = tl.load(row_block + n, mask=n < N, other=0)  # [BLOCK_N]
@@ -206,24 +205,25 @@ def _weight_only_kernel(x, w, s, row_block, out, partials, arrived, M, N, K, KB_
                           mask=(n[:, None] < N) & (kb[None, :] < KB), other=0.0)  # each block's factor
         acc += tl.sum(part * factors, axis=1)
     if SPLIT:
-        _add_splits(acc, partials, arrived + row * tl.num_programs(1) + tl.program_id(1), out, row, n, split,
-                    n_splits, M, N)
+        _add_splits(acc, partials, arrived, out, row * N + n, n < N, n_splits, M * N)
     else:
         tl.store(out + row * N + n, acc.to(out.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
-def _add_splits(acc, partials, arrived, out, row, n, split, n_splits, M, N):
-    """Split K without a kernel to add the splits: each split stores its fp32 sums, and the split that arrives
-    last at this row's n block adds them all, in split order (so the same sum every run, whichever split came
-    last), into out."""
-    tl.store(partials + (split * M + row) * N + n, acc, mask=n < N)
+def _add_splits(acc, partials, arrived, out, at, mask, n_splits, MN):
+    """Split K without a kernel to add the splits (program (i, j, split)): each split stores its fp32 sums `acc`
+    at offsets `at` of partials [n_splits, M, N], and the split that arrives last at its (i, j) (a count in
+    arrived [grid i, grid j], zeros) adds them all, in split order (so the same sum every run, whichever split
+    came last), into out [M, N]."""
+    tl.store(partials + tl.program_id(2) * MN + at, acc, mask=mask)
     tl.debug_barrier()  # every thread's sums stored before the count goes up (the atomic releases them)
-    if tl.atomic_add(arrived, 1, sem="acq_rel") == n_splits - 1:
+    count = arrived + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(count, 1, sem="acq_rel") == n_splits - 1:
         total = tl.zeros_like(acc)
         for i in range(n_splits):  # .cg: from L2, where the other programs' sums are
-            total += tl.load(partials + (i * M + row) * N + n, mask=n < N, other=0.0, cache_modifier=".cg")
-        tl.store(out + row * N + n, total.to(out.dtype.element_ty), mask=n < N)
+            total += tl.load(partials + i * MN + at, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out + at, total.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -244,12 +244,11 @@ def _quantize_kernel(x, values, scales, M, M_PAD, K, stride_xm, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, stride_wn, stride_sn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+def _fp8_kernel(a, a_scales, w, s, row_block, out, partials, arrived, M, N, K, KB_PER, n_splits, stride_am,
+                stride_wn, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """a [M, KB * 128] e4m3 and a_scales [KB, M] (x quantized by _quantize_kernel) times W^T over this program's K
     blocks, program (m block, n block, split), on the FP8 tensor cores: each block's partial sums times the
-    token's and the block's factors. Into out [M, N] in x's dtype, or with SPLIT the fp32 partial sums into
-    out [split, M, N]."""
+    token's and the block's factors. Into out [M, N] in x's dtype (with SPLIT through _add_splits)."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split, c, KB = tl.program_id(2), tl.arange(0, 128), tl.cdiv(K, 128)
@@ -262,11 +261,11 @@ def _fp8_kernel(a, a_scales, w, s, row_block, out, M, N, K, KB_PER, stride_am, s
         factors = tl.load(a_scales + kb * M + m, mask=m < M, other=0.0)[:, None] * \
             tl.load(s + scale_row * stride_sn + kb, mask=n < N, other=0.0)[None, :]
         acc += tl.dot(xs, tl.trans(ws)) * factors
-    mask = (m[:, None] < M) & (n[None, :] < N)
+    at, mask = m[:, None] * N + n[None, :], (m[:, None] < M) & (n[None, :] < N)
     if SPLIT:
-        tl.store(out + split * M * N + m[:, None] * N + n[None, :], acc, mask=mask)
+        _add_splits(acc, partials, arrived, out, at, mask, n_splits, M * N)
     else:
-        tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + at, acc.to(out.dtype.element_ty), mask=mask)
 
 
 # Launch settings, chosen on an H200 by tests/gpu_fp8_linear.py (docs/performance.md, "FP8 weights"): the most
@@ -290,14 +289,13 @@ def _splits(programs: int, KB: int, waves: int, device, multiple: int = 1) -> tu
     return kb_per, triton.cdiv(KB, kb_per)
 
 
-def _output(x, N, splits):
-    """Where a kernel writes: [M, N] in x's dtype, or the splits' fp32 partial sums [splits, M, N]."""
-    return torch.empty(splits, x.shape[0], N, device=x.device, dtype=torch.float32) if splits > 1 else \
-        torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
-
-
-def _summed(out, x):
-    return out.sum(0).to(x.dtype) if out.dim() == 3 else out  # the splits summed in a fixed order: the same every run
+def _outputs(x, N, grid: tuple[int, int, int]):
+    """Where a kernel on this grid (i, j, split) writes: out [M, N] in x's dtype and, when K is split, the splits'
+    fp32 sums [splits, M, N] and a zero count per (i, j) (_add_splits)."""
+    M, split = x.shape[0], grid[2] > 1
+    return (torch.empty(M, N, device=x.device, dtype=x.dtype),
+            torch.empty(grid[2] if split else 0, M, N, device=x.device, dtype=torch.float32),
+            torch.zeros(grid[0] if split else 0, grid[1], device=x.device, dtype=torch.int32))
 
 
 def _weight_only(x, weight, scale_inv, row_block, block_n, groups, waves, num_warps, num_stages):
@@ -305,10 +303,9 @@ def _weight_only(x, weight, scale_inv, row_block, block_n, groups, waves, num_wa
     N, KB = weight.shape[0], -(-K // BLOCK)
     n_blocks = triton.cdiv(N, block_n)
     kb_per, splits = _splits(M * n_blocks, KB, waves, x.device, groups)
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    partials = torch.empty(splits if splits > 1 else 0, M, N, device=x.device, dtype=torch.float32)
-    arrived = torch.zeros(M if splits > 1 else 0, n_blocks, device=x.device, dtype=torch.int32)
-    torch.library.wrap_triton(_weight_only_kernel)[(M, n_blocks, splits)](
+    grid = (M, n_blocks, splits)
+    out, partials, arrived = _outputs(x, N, grid)
+    torch.library.wrap_triton(_weight_only_kernel)[grid](
         x, weight, scale_inv, row_block, out, partials, arrived, M, N, K, kb_per, splits, x.stride(0),
         weight.stride(0), scale_inv.stride(0), BLOCK_N=block_n, GROUPS=groups, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages)
@@ -336,12 +333,13 @@ def _tensor_cores(x, weight, scale_inv, row_block, block_m, block_n, waves, num_
     block_m = max(16, min(block_m, triton.next_power_of_2(M)))  # block_m: the most rows a program takes
     m_blocks, n_blocks = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
     kb_per, splits = _splits(m_blocks * n_blocks, KB, waves, x.device)
-    out = _output(x, N, splits)
-    torch.library.wrap_triton(_fp8_kernel)[(m_blocks, n_blocks, splits)](
-        a, a_scales, weight, scale_inv, row_block, out, M, N, K, kb_per, a.stride(0), weight.stride(0),
-        scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, num_warps=num_warps,
-        num_stages=num_stages)
-    return _summed(out, x)
+    grid = (m_blocks, n_blocks, splits)
+    out, partials, arrived = _outputs(x, N, grid)
+    torch.library.wrap_triton(_fp8_kernel)[grid](
+        a, a_scales, weight, scale_inv, row_block, out, partials, arrived, M, N, K, kb_per, splits, a.stride(0),
+        weight.stride(0), scale_inv.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 def _cublas_reads(x, weight, scale_inv) -> bool:

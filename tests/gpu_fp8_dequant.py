@@ -12,7 +12,6 @@ against linear_ref (its largest error) and cuBLAS bf16, and fp8.py's own two ker
 
     python tests/gpu_fp8_dequant.py [--json OUT]
 """
-import itertools
 import json
 import os
 import sys
@@ -84,9 +83,8 @@ def run(how, x, weight, scale, block_n, splits, warps, stages):
 
 def microseconds(calls) -> float:
     """GPU time of one call, the calls taken in turn (each reads another copy of the weights, together more than
-    the 50 MB L2 holds, as a step's layers are): bench.graph_time, a CUDA graph of them."""
-    turn = itertools.cycle(calls)
-    return bench.graph_time(lambda: next(turn)()) * 1e6
+    the 50 MB L2 holds, as a step's layers are)."""
+    return bench.graph_time_in_turn(calls) * 1e6
 
 
 dev = torch.device("cuda")

@@ -37,9 +37,8 @@ TENSOR_CORE_M = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def microseconds(calls) -> float:
     """GPU time of one call, the calls taken in turn (each reads another copy of the weights, together more than
-    the 50 MB L2 holds, as a step's layers are): bench.graph_time, a CUDA graph of them."""
-    turn = itertools.cycle(calls)
-    return bench.graph_time(lambda: next(turn)()) * 1e6
+    the 50 MB L2 holds, as a step's layers are)."""
+    return bench.graph_time_in_turn(calls) * 1e6
 
 
 def total_us(M, kernel, launch=None) -> float:

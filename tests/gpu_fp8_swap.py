@@ -31,11 +31,11 @@ LAUNCHES = [dict(block_n=b, waves=w, num_warps=nw, num_stages=ns)
 @triton.jit
 def _swapped_kernel(w, s, row_block, a, a_scales, out, partials, arrived, M, M_PAD, N, K, KB_PER, n_splits,
                     stride_wn, stride_sn, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr):
-    """out [M, N] = x W^T for x quantized (a [M_PAD, K] e4m3, a_scales [KB, M_PAD]), M <= ROWS: program (n block,
+    """out [M, N] = x W^T for x quantized (a [M_PAD, K] e4m3, a_scales [KB, M_PAD]), M <= ROWS: program (0, n block,
     split) multiplies its weight rows [BLOCK_N, 128] by a^T [128, ROWS] on the tensor cores, each K block's
     product times its weight rows' and the activation rows' factors."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split, m, c = tl.program_id(1), tl.arange(0, ROWS), tl.arange(0, 128)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split, m, c = tl.program_id(2), tl.arange(0, ROWS), tl.arange(0, 128)
     scale_row = tl.load(row_block + n, mask=n < N, other=0)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     KB = tl.cdiv(K, 128)
@@ -48,7 +48,7 @@ def _swapped_kernel(w, s, row_block, a, a_scales, out, partials, arrived, M, M_P
         acc += tl.dot(ws, tl.trans(xs)) * factors  # [BLOCK_N, ROWS]
     row = tl.sum(tl.where(m[None, :] == 0, acc, 0.0), axis=1)  # the one row timed here (M = 1)
     if SPLIT:
-        fp8._add_splits(row, partials, arrived + tl.program_id(0), out, 0, n, split, n_splits, M, N)
+        fp8._add_splits(row, partials, arrived, out, n, n < N, n_splits, M * N)
     else:
         tl.store(out + n, row.to(out.dtype.element_ty), mask=n < N)
 
@@ -61,19 +61,12 @@ def swapped(x, weight, scale_inv, row_block, block_n, waves, num_warps, num_stag
     a, a_scales = fp8._quantized(x, rows_multiple=16)
     n_blocks = triton.cdiv(N, block_n)
     kb_per, splits = fp8._splits(n_blocks, KB, waves, x.device)
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    partials = torch.empty(splits if splits > 1 else 0, M, N, device=x.device, dtype=torch.float32)
-    arrived = torch.zeros(n_blocks if splits > 1 else 0, device=x.device, dtype=torch.int32)
-    _swapped_kernel[(n_blocks, splits)](weight, scale_inv, row_block, a, a_scales, out, partials, arrived, M,
-                                        a.shape[0], N, K, kb_per, splits, weight.stride(0), scale_inv.stride(0),
-                                        BLOCK_N=block_n, ROWS=16, SPLIT=splits > 1, num_warps=num_warps,
-                                        num_stages=num_stages)
+    grid = (1, n_blocks, splits)
+    out, partials, arrived = fp8._outputs(x, N, grid)
+    _swapped_kernel[grid](weight, scale_inv, row_block, a, a_scales, out, partials, arrived, M, a.shape[0], N, K,
+                          kb_per, splits, weight.stride(0), scale_inv.stride(0), BLOCK_N=block_n, ROWS=16,
+                          SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages)
     return out
-
-
-def microseconds(calls) -> float:
-    turn = itertools.cycle(calls)
-    return bench.graph_time(lambda: next(turn)()) * 1e6
 
 
 def main():
@@ -93,7 +86,7 @@ def main():
     print("every launch equals linear_ref(quantized_x=True) to bf16's rounding", flush=True)
 
     def total(fn) -> float:
-        return sum(microseconds([lambda q=q: fn(inputs[name], q) for q in copies]) for name, copies in layers.items())
+        return sum(bench.graph_time_in_turn([lambda q=q: fn(inputs[name], q) for q in copies]) * 1e6 for name, copies in layers.items())
     weight_only = total(lambda x, q: fp8.fp8_linear(x, q.weight, q.weight_scale_inv, q.row_block, "weight_only"))
     results = sorted(((total(lambda x, q, launch=launch: swapped(x, q.weight, q.weight_scale_inv, q.row_block,
                                                                  **launch)), launch) for launch in LAUNCHES),
