@@ -15,19 +15,13 @@ SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fra
 
 def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
     """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
-    decode step's buffers (step_bytes_per_row) and `extra` bytes."""
-    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + step_bytes_per_row(cfg, slots, dtype,
-                                                                                              kv_dtype) + extra
-
-
-def step_bytes_per_row(cfg, slots: int, dtype, kv_dtype=None) -> int:
-    """One sequence's share of the decode step's buffers: 48 bytes per vocabulary id, as measured on an H200
+    decode step's buffers and `extra` bytes. The step's share: 48 bytes per vocabulary id, as measured on an H200
     (docs/performance.md, "A server under load, and the memory planner"): the sampler's logits, probabilities,
     noise and sort buffers (fp32/int64, 40 bytes), the ids its repetition penalty has seen (1 byte), the step's
-    temporaries in its graphs' pool (the rest); with FP8, one layer's keys as values, which the rules that read
-    keys (keydiff, rkv, knorm) dequantize each step."""
+    temporaries in its graphs' pool (the rest); with FP8, also one layer's keys as values, which the rules that
+    read keys (keydiff, rkv, knorm) dequantize each step."""
     keys = slots * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize if kv_dtype == kernel.FP8 else 0
-    return keys + 48 * cfg.vocab_size
+    return KVCache.bytes_needed(cfg, 1, slots, dtype, kv_dtype=kv_dtype) + keys + 48 * cfg.vocab_size + extra
 
 
 def prefill_bytes(cfg, tokens: int, dtype) -> int:
