@@ -146,14 +146,15 @@ def test_the_op_runs_weight_only_up_to_its_rows_then_the_tensor_cores_through_cu
     """cuBLAS's blockwise product (torch._scaled_mm) from CUBLAS_ROWS rows on a Hopper GPU when K is a multiple of
     512 (its factors come in fours); else Triton's."""
     weight, scale, rows = quantized_linear(256, K, [256])
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(fp8.CUBLAS_ROWS, K).to(DEVICE, dtype)
+    cublas = fp8._cublas_reads(x, weight, scale)  # on a GPU, probed first: the probe runs _cublas
     ran = recording_kernels(monkeypatch)
 
     def expected(M):
         if M <= fp8.WEIGHT_ONLY_ROWS:
             return "_weight_only"
-        cublas = K == 512 and CUDA and fp8._cublas_blockwise(torch.device(DEVICE), dtype)
         return "_cublas" if M >= fp8.CUBLAS_ROWS and cublas else "_tensor_cores"
-    dtype = torch.bfloat16 if CUDA else torch.float32
     counts = (1, fp8.WEIGHT_ONLY_ROWS, fp8.WEIGHT_ONLY_ROWS + 1, fp8.CUBLAS_ROWS, 70)
     for M in counts:
         fp8.fp8_linear(torch.randn(M, K).to(DEVICE, dtype), weight, scale, rows)
