@@ -83,11 +83,14 @@ class KVCache:
         return cfg.n_layers * batch * (cfg.n_kv_heads * slots * per_slot + kept_bytes)
 
     def reset(self, rows=None):
-        """Empty the cache, or only rows `rows` [n] (a server's free rows, which keep decoding junk)."""
-        at = slice(None) if rows is None else rows
+        """Empty the cache, or only rows `rows` [n] (a server's free rows, which keep decoding junk). Rows are
+        filled by index_fill_, here and wherever the engine may run while a block decodes: `x[rows] = -1` copies
+        the -1 to the GPU first, and such a copy waits for the GPU's queue (sampling.on_device)."""
+        pos = self.layers[0].pos
+        rows = torch.arange(pos.shape[0], device=pos.device) if rows is None else rows
         for layer in self.layers:
-            layer.pos[at] = -1
-            layer.next_slot[at] = 0
+            layer.pos.index_fill_(0, rows, -1)
+            layer.next_slot.index_fill_(0, rows, 0)
 
     # ---- decode: one token per sequence -------------------------------------------------------------
     def decode(self, layer: Layer, q, k, v, positions):
@@ -155,9 +158,9 @@ class KVCache:
 
     # ---- prefill: a batch of (right-padded) prompts ------------------------------------------------
     def prefill(self, layer: Layer, q, k, v, positions, rows):
-        """The prompts' K/V into cache rows `rows` [R] (the other rows are left as they are), compressed
-        when they do not fit. q: [R, H_q, T, D]; k, v: [R, H_kv, T, D]; positions: [R, T], -1 for padding
-        after each prompt."""
+        """The prompts' K/V into cache rows `rows` [R] (int64, on the cache's device: index_fill_ takes no
+        other; the other rows are left as they are), compressed when they do not fit. q: [R, H_q, T, D];
+        k, v: [R, H_kv, T, D]; positions: [R, T], -1 for padding after each prompt."""
         p, c, (R, H, T, D) = self.policy, layer, k.shape
         seed = p.prompt_seed(self, q, k, v, positions)  # [R, H_kv, T] or None
         pos = positions[:, None].expand(R, H, T)  # [R, H_kv, T]
@@ -168,9 +171,9 @@ class KVCache:
             k, v, pos = k.gather(2, at), v.gather(2, at), pos.gather(2, keep)
             seed = seed.gather(2, keep) if seed is not None else None
             T = S - 1
-        c.pos[rows] = -1  # a reused row forgets its previous sequence
+        c.pos.index_fill_(0, rows, -1)  # a reused row forgets its previous sequence
         if self.fp8:  # the kernel divides by the row's largest value scale: not an old sequence's
-            c.v_scale[rows] = 0.0
+            c.v_scale.index_fill_(0, rows, 0.0)
         # the prompt attended, and was compressed, at full precision; from here on the policy sees the values
         # the cache holds
         stored, k, v = self.as_stored(k, v)

@@ -28,7 +28,7 @@ import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
 from model import DTYPES, Transformer, load
-from sampling import BadSetting, Sampler, Sampling, seeds_for, settings_for
+from sampling import BadSetting, Sampler, Sampling, on_device, seeds_for, settings_for
 from step import RING, Forcing, State, Stepper
 
 # ---- the generation loop ------------------------------------------------------------------------------
@@ -179,8 +179,8 @@ class Engine:
     """Owns the model and, per batch shape, the cache, the state buffers and the compiled step.
 
     More prompts than rows are served as rows free up: when a sequence ends (EOS or max_new_tokens,
-    seen at the next sync), the next waiting prompt is prefilled into its row of the cache and
-    decoding goes on; the captured step never notices."""
+    seen at the next sync), the next waiting prompt is prefilled into its row of the cache while the GPU
+    runs the next block of steps, and joins the block after; the captured step never notices."""
 
     def __init__(self, model: Transformer, compile=True, sync_every=16, allow_long_context=False, kv_dtype=None):
         """allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise:
@@ -226,7 +226,7 @@ class Engine:
 
     def score_steps(self, prompts, continuations, budget=None, policy=None, batch_size=None,
                     prompt_rule="snapkv", on_dists=None):
-        """score, as a generator that yields after every host sync and returns score's result: several
+        """score, as a generator that yields after each block of steps is launched and returns score's result: several
         engines advanced in turn score in lock-step (eval.py's fidelity compares their distributions
         position by position without keeping them)."""
         check_request(prompts, 1, self.model.cfg.vocab_size)
@@ -244,7 +244,7 @@ class Engine:
         return (yield from self._serve(requests, budget, policy, prompt_rule, forcing, batch_size))
 
     def _serve(self, requests: Requests, budget, policy, prompt_rule, mode, batch_size, on_tokens=None):
-        """The common part of generate and score, a generator that yields at every host sync. mode: "sample",
+        """The common part of generate and score, a generator that yields as each block of steps is launched. mode: "sample",
         or (continuation buffer length, keep_dists) for teacher forcing."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
@@ -316,8 +316,9 @@ class Engine:
 
     def serve(self, feed, batch_size: int, slots: int, policy: Policy, prompt_rule: str = "snapkv"):
         """Continuous batching, for server.py: a generator that decodes the requests feed.arrivals() hands
-        over, each admitted into a free row at a host sync, until it returns None. slots: KV slots per row (the
-        budget; for the full policy, room for the longest request the feed will give). The feed also says
+        over, each prefilled into a free row while a block of steps runs, until it returns None (which it does
+        only when idle: nothing decoding, nothing waiting). slots: KV slots per row (the budget; for the full
+        policy, room for the longest request the feed will give). The feed also says
         which requests to stop early (feed.stopped(i)) and is given each one's tokens (feed.progress(i, ids)
         at every sync, feed.finished(i, ids) at its end)."""
         self._prepare(batch_size, slots, policy, prompt_rule, "sample")
@@ -325,23 +326,31 @@ class Engine:
         yield from self._run(Progress(requests.outs), requests)
 
     def _run(self, run: Progress, requests: Requests, on_tokens=None):
-        """Decode until every request is done, refilling rows as they free up, yielding after each host sync.
-        Fills run.outs (requests.outs). With a feed (serve), requests arrive between syncs and the loop waits
-        for them when it has none."""
+        """Decode until every request is done, refilling rows as they free up, yielding after each block of
+        steps is launched. Fills run.outs (requests.outs). The host works while the GPU decodes: a block of
+        sync_every steps is launched, then waiting requests are prefilled into the rows that were free before
+        it (queued behind it on the GPU), then one host sync reads the block's tokens and the new requests'
+        first tokens; they decode from the next block. With a feed (serve), requests arrive while blocks run
+        and the loop waits for them when it has none."""
         serving = [None] * self.state.tokens.shape[0]  # the request each row decodes for
         fed = isinstance(requests, FedRequests)  # serve: requests arrive between syncs
         self.state.count.zero_()
-        steps_read = 0
+        steps_read, launched = 0, False  # launched: a block of steps not read yet
         while True:
             if fed and not self._take_arrivals(requests, serving):
                 return  # the server stops
-            while requests.waiting and None in serving:  # fill free rows (a request may end at its first token)
-                run.prefill_s += self._fill_free_rows(requests, serving)
+            admitted = self._fill_free_rows(requests, serving)  # rows free before the block, behind it on the GPU
+            if launched:
+                cols = torch.arange(steps_read, steps_read + self.sync_every) % RING
+                self._keep_block(requests, serving, self._read_block(cols), cols)
+                steps_read += self.sync_every
+            self._start_rows(requests, serving, admitted, run)
             if on_tokens:
                 on_tokens(requests.outs[0])
-            if all(p is None for p in serving):
-                if fed:
-                    continue  # a server waits for its next request
+            launched = any(p is not None for p in serving)
+            if not launched:
+                if fed or requests.waiting:
+                    continue  # a server waits for its next request; a run prefills the next prompts
                 return
             self._compact(serving)
             self.stepper.size = self.stepper.fit(len(serving) - serving.count(None))
@@ -349,39 +358,46 @@ class Engine:
                 self.stepper.hot = any(requests.sampling[p].temperature > 0 for p in serving if p is not None)
             for _ in range(self.sync_every):
                 self.stepper()
-            # the one host sync every sync_every steps. Its index lives on the host and the device copies are
-            # freed at once, so the GPU memory in use stays the same from the first token to the last (bench.py
-            # --validate asserts it; an index kept on the GPU until the next sync added one block after the first)
-            cols = torch.arange(steps_read, steps_read + self.sync_every) % RING
-            block = self.mode.read(cols, self.state.history[:, cols].tolist())  # [B][sync_every] records
-            steps_read += self.sync_every
-            self._keep_block(requests, serving, block, cols)
             yield
 
+    def _read_block(self, cols) -> list:
+        """The host sync: the records of the launched block's steps (ring columns cols), [B][sync_every]. Its
+        index lives on the host and the device copies are freed at once, so the GPU memory in use stays the
+        same from the first token to the last (bench.py --validate asserts it; an index kept on the GPU until
+        the next sync added one block after the first)."""
+        return self.mode.read(cols, self.state.history[:, cols].tolist())
+
     def _take_arrivals(self, requests: FedRequests, serving: list) -> bool:
-        """serve, at every sync: the feed's new requests (when nothing runs, this waits for one). A free row keeps
+        """serve, while each block runs: the feed's new requests (when nothing runs, this waits for one). A free row keeps
         decoding junk, so its cache is emptied each time (else a full cache's row would fill up). False: the
         server stops."""
         if not requests.arrive(idle=not requests.waiting and all(p is None for p in serving)):
             return False
         free = [b for b in range(len(serving)) if serving[b] is None]
         if free:
-            self.cache.reset(torch.tensor(free, device=self.device))
+            self.cache.reset(on_device(free, self.device))
         return True
 
-    def _fill_free_rows(self, requests: Requests, serving: list) -> float:
-        """Prefill waiting requests into the free rows, each with its first output (a request done at once
-        frees its row again). Returns the seconds it took."""
+    def _fill_free_rows(self, requests: Requests, serving: list) -> "Admitted":
+        """Prefill waiting requests into the free rows, with their first outputs left on the device: nothing here
+        waits for the GPU, so this runs while a launched block decodes."""
         rows = [b for b in range(len(serving)) if serving[b] is None][:len(requests.waiting)]
         taken = [requests.waiting.popleft() for _ in rows]
-        t = sync_time(self.device)
+        if not rows:
+            return Admitted([], [], [], None)
+        timer = DeviceTimer(self.device)
         firsts = self._admit(rows, requests, taken)
-        for b, p, first in zip(rows, taken, firsts):
+        return Admitted(rows, taken, firsts, timer.stop())
+
+    def _start_rows(self, requests: Requests, serving: list, admitted: "Admitted", run: Progress):
+        """After the sync: the admitted requests' first outputs, and their rows serve them (a request done at
+        its first output frees its row again)."""
+        for b, p, first in zip(admitted.rows, admitted.taken, admitted.take_records()):
             requests.outs[p].append(first)
             serving[b] = p
             if requests.settle(p):
                 serving[b] = None
-        return sync_time(self.device) - t
+        run.prefill_s += admitted.timer.seconds() if admitted.timer else 0.0
 
     def _compact(self, serving: list):
         """Move busy rows down into the free rows below them (the highest busy row into the lowest free one),
@@ -392,7 +408,7 @@ class Engine:
         if moves:
             src, dst = zip(*moves)
             self.stepper.move_rows(src, dst)
-            self.cache.reset(torch.tensor(src, device=self.device))  # free now: a step that still runs it starts empty
+            self.cache.reset(on_device(src, self.device))  # free now: a step that still runs it starts empty
         for src, dst in moves:
             serving[dst], serving[src] = serving[src], None
 
@@ -409,9 +425,10 @@ class Engine:
                 serving[b] = None
 
     def _admit(self, rows: list[int], requests: Requests, taken: list[int]) -> list:
-        """Prefill requests `taken` into cache `rows`, set those rows' decode state, and return each
-        request's first output: a sampled token, or with teacher forcing the first continuation token's
-        record. Groups of about PREFILL_TOKENS padded tokens at a time."""
+        """Prefill requests `taken` into cache `rows`, set those rows' decode state, and return each group's
+        first outputs on the device (Admitted.records reads them): sampled tokens [n], or with teacher forcing
+        the first continuation tokens' (token, logprob, argmax) [n] each. Groups of about PREFILL_TOKENS padded
+        tokens at a time. No host sync: positions stay on the host for the model's order check."""
         prompts, firsts = requests.prompts, []
         while rows:
             n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
@@ -422,42 +439,88 @@ class Engine:
             for i, p in enumerate(batch):
                 tokens[i, :len(prompts[p])] = torch.tensor(prompts[p])
                 positions[i, :len(prompts[p])] = torch.arange(len(prompts[p]))
-            r = torch.tensor(group, device=self.device)
-            lengths = torch.tensor([len(prompts[p]) for p in batch], device=self.device)
-            logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, rows=r,
+            r = on_device(group, self.device)
+            lengths = on_device([len(prompts[p]) for p in batch], self.device)
+            logits = self.model(on_device(tokens, self.device), positions, self.cache, rows=r,
                                 last=lengths - 1)  # [n, V]
             if requests.continuations:
-                first, records = self._force_first(group, batch, lengths, logits, requests)
+                first, records = self._force_first(group, r, batch, lengths, logits, requests)
             else:
-                first, records = self._sample_first(r, batch, lengths, logits, requests)
+                first, records = self._sample_first(group, r, batch, lengths, logits, requests)
             self.state.tokens[r], self.state.positions[r] = first, lengths
-            firsts += records
+            firsts.append(records)
         return firsts
 
-    def _sample_first(self, r, batch, lengths, logits, requests: Requests):
+    def _sample_first(self, rows: list[int], r, batch, lengths, logits, requests: Requests):
         """The first token of requests `batch`, sampled from their prompts' last logits [n, V] with their own
-        settings; rows r [n] take their settings and seeds. Returns the tokens [n], and as a list (their records)."""
-        seeds = torch.tensor([requests.seed[p] for p in batch], device=self.device)
-        self.mode.start(r, [requests.sampling[p] for p in batch], [requests.prompts[p] for p in batch])
+        settings; rows `rows` (r [n] on the device) take their settings and seeds. Returns the tokens [n], twice
+        (they are the records)."""
+        seeds = on_device([requests.seed[p] for p in batch], self.device)
+        self.mode.start(rows, [requests.sampling[p] for p in batch], [requests.prompts[p] for p in batch])
         first = self.mode.pick(logits, seeds, lengths, r)
-        self.state.seeds[r], records = seeds, first.tolist()
-        return first, records
+        self.state.seeds[r] = seeds
+        return first, first
 
-    def _force_first(self, rows: list[int], batch, lengths, logits, requests: Requests):
-        """Teacher forcing: the prompts' last logits score each continuation's first token; the rows get
-        their continuation, which the step then feeds. Returns the first tokens [n] and their records."""
-        f, r, continuations = self.mode, torch.tensor(rows, device=self.device), requests.continuations
-        f.tokens[r] = 0
+    def _force_first(self, rows: list[int], r, batch, lengths, logits, requests: Requests):
+        """Teacher forcing: the prompts' last logits score each continuation's first token; the rows (r [n] on
+        the device) get their continuation, which the step then feeds. Returns the first tokens [n] and their
+        records (token, logprob, argmax), each [n]. on_dists is handed the log-distributions here, and may
+        read them at once (a host sync: eval.py's fidelity does, and loses the overlap, not a token)."""
+        f, continuations = self.mode, requests.continuations
+        f.tokens.index_fill_(0, r, 0)
         for row, p in zip(rows, batch):
-            f.tokens[row, :len(continuations[p])] = torch.tensor(continuations[p], device=self.device)
+            f.tokens[row, :len(continuations[p])] = on_device(continuations[p], self.device)
         f.start[r] = lengths
         first = f.tokens[r, 0]
         logp = logits.log_softmax(-1)  # [n, V]
         if requests.on_dists:
             for i, p in enumerate(batch):
                 requests.on_dists(p, 0, logp[i:i + 1])
-        records = zip(first.tolist(), logp.gather(1, first[:, None])[:, 0].tolist(), logits.argmax(-1).tolist())
-        return first, list(records)
+        return first, (first, logp.gather(1, first[:, None])[:, 0], logits.argmax(-1))
+
+
+class DeviceTimer:
+    """The device's time for the work queued from its making to stop(), read after a later host sync without
+    adding one: CUDA events on a GPU; on the CPU, which runs each op as it is called, the host's clock."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.stream else None
+        self.times = [time.perf_counter()] * 2
+        if self.events:
+            self.events[0].record(self.stream)
+
+    def stop(self) -> "DeviceTimer":
+        if self.events:
+            self.events[1].record(self.stream)
+        self.times[1] = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if not self.events:
+            return self.times[1] - self.times[0]
+        self.events[1].synchronize()  # done already after the host sync that reads the work's results
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+
+@dataclass
+class Admitted:
+    """Requests `taken` prefilled into cache `rows`, their first outputs still on the device (per group: tokens
+    [n], or teacher forcing's (tokens, logprobs, argmax), each [n]) and the prefill's time (None: no rows)."""
+    rows: list[int]
+    taken: list[int]
+    firsts: list
+    timer: DeviceTimer | None
+
+    def take_records(self) -> list:
+        """Each request's first output, read to the host (after a block's sync, without waiting), and the
+        device's copies let go: GPU memory held from one block to the next would make bench.py --validate's
+        check that nothing is added fail."""
+        out = []
+        for group in self.firsts:
+            out += group.tolist() if isinstance(group, torch.Tensor) else list(zip(*(t.tolist() for t in group)))
+        self.firsts = []
+        return out
 
 
 def drain(steps):

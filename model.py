@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 import fp8
 from cache import KVCache, Layer
 from policies import is_int
+from sampling import on_device
 from parallel import SINGLE, Group
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -217,14 +218,14 @@ def prefill_attention(q, k, v):
     the engine prefills them). q: [B, H_q, T, D]; k, v: [B, H_kv, T, D]. No mask is needed: a real query's
     earlier keys are all real, so SDPA's causal kernel (a flash-attention kernel, never T x T scores)
     gives their outputs exactly; padding queries get finite outputs, which are discarded. (Transformer.forward
-    checks the order, once for all layers: the check is a host sync.)"""
+    checks the order, once for all layers.)"""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, H_q, T, D]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def in_order(positions) -> bool:
-    """Each row of positions [B, T] is 0, 1, 2, ..., then only padding (-1). One host sync (prefill only)."""
+    """Each row of positions [B, T] is 0, 1, 2, ..., then only padding (-1). A host sync, where they are on a GPU."""
     ramp = torch.arange(positions.shape[1], device=positions.device)
     padding_after_tokens = (positions[:, 1:] < 0).ge(positions[:, :-1] < 0)
     return bool(((positions == ramp) | (positions < 0)).all() and padding_after_tokens.all())
@@ -309,13 +310,15 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, positions, cache: KVCache, rows=None, last=None, run_block=Block.__call__):
         """tokens, positions: [B, T] (position -1 marks padding). Decodes one token per cache row, or, with
-        `rows` [B], prefills whole prompts into those cache rows. Returns logits [B, T, V], or [B, V] at
+        `rows` [B] (int64, on the cache's device), prefills whole prompts into those cache rows. Returns logits [B, T, V], or [B, V] at
         index `last` [B] of each row when given (prefill needs only the last prompt token's logits).
         run_block(block, ...) runs each layer: the decode step passes one compiled function for them all.
         Prefill takes right-padded prompts (each row's positions 0, 1, 2, ..., then -1): its attention needs
-        no mask (prefill_attention), so other orders are refused here, once for all layers."""
+        no mask (prefill_attention), so other orders are refused here, once for all layers: on positions given
+        on the CPU (the engine's), without a host sync."""
         if rows is not None and not in_order(positions):
             raise ValueError("prefill takes right-padded prompts: each row's positions 0, 1, 2, ..., then -1")
+        positions = on_device(positions, tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]
         freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like HF
         angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]

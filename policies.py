@@ -86,7 +86,7 @@ class Accumulated(Kept):
         return seed
 
     def start(self, t, rows, q, k, v, pos, positions, seed):
-        t[rows] = 0.0
+        t.index_fill_(0, rows, 0.0)  # (index_fill_: KVCache.reset says why)
         super().start(t, rows, q, k, v, pos, positions, seed)
 
     def write(self, t, cache, c, at, q, k, v, positions):
@@ -136,7 +136,7 @@ class RecentQueries(Kept):
 
     def start(self, t, rows, q, k, v, pos, positions, seed):
         last, cols = last_queries(q, positions, self.n)  # [R, H_q, n, D], [R, n]
-        t[rows] = 0  # a prompt shorter than n leaves columns empty; the last sequence's must go
+        t.index_fill_(0, rows, 0)  # a prompt shorter than n leaves columns empty; the last sequence's must go
         t[rows[:, None], :, cols] = last.transpose(1, 2)
 
     def write(self, t, cache, c, at, q, k, v, positions):

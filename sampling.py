@@ -131,6 +131,16 @@ def check_sampling(s: Sampling):
             raise BadSetting(name, value, allowed)
 
 
+def on_device(values, device, dtype=torch.int64) -> torch.Tensor:
+    """Host values (a list, in `dtype`, or a CPU tensor) on `device` without waiting for the GPU's queue: a copy
+    from pageable memory synchronizes with the stream, one from pinned memory does not. The engine prefills
+    while a launched block decodes (generate.Engine._run), so every copy on the prefill's way is this one."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class Sampler:
     """What the decode step samples with, per row, in static device buffers: the settings of the request
@@ -149,15 +159,17 @@ class Sampler:
         return cls(f32(0.0), torch.zeros(batch, dtype=torch.int64, device=device), f32(1.0), f32(1.0),
                    torch.zeros(batch, vocab, dtype=torch.bool, device=device))
 
-    def start(self, rows, settings: list[Sampling], prompts: list[list[int]]):
-        """Rows `rows` [n] start serving these requests: their settings, and their prompts' ids seen."""
+    def start(self, rows: list[int], settings: list[Sampling], prompts: list[list[int]]):
+        """Rows `rows` (a host list) start serving these requests: their settings, and their prompts' ids seen."""
+        device = self.seen.device
+        at = on_device(rows, device)
         for name, attr in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
                            ("penalty", "repetition_penalty")):
             buffer = getattr(self, name)
-            buffer[rows] = torch.tensor([getattr(s, attr) for s in settings], dtype=buffer.dtype, device=rows.device)
-        self.seen[rows] = False
-        for row, prompt in zip(rows.tolist(), prompts):
-            self.seen[row, torch.tensor(prompt, device=rows.device)] = True
+            buffer[at] = on_device([getattr(s, attr) for s in settings], device, buffer.dtype)
+        self.seen.index_fill_(0, at, False)  # (index_fill_: cache.KVCache.reset says why)
+        for row, prompt in zip(rows, prompts):
+            self.seen[row].index_fill_(0, on_device(prompt, device), True)
 
     def pick(self, logits, seeds, positions, rows=None, hot: bool = True):
         """The next token of rows `rows` (default: all) from their logits [n, V]; marks it seen. hot=False

@@ -4,9 +4,9 @@
     curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "Hi"}]}'
 
-One thread owns the GPU and runs Engine.serve: at every host sync (every 16 decode steps) it admits
-waiting requests into free rows of the batch, hands each request its new tokens, and frees the rows of
-requests that ended (EOS, max_tokens, a stop string, a client gone). The HTTP handlers run on asyncio and
+One thread owns the GPU and runs Engine.serve: while each block of 16 decode steps runs it prefills
+waiting requests into free rows of the batch; at the host sync that ends the block it hands each request
+its new tokens and frees the rows of requests that ended (EOS, max_tokens, a stop string, a client gone). The HTTP handlers run on asyncio and
 never block that thread: each request's tokens wait in its own queue until its client reads them.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not),
@@ -137,7 +137,8 @@ class Feed:
             self.active += active
 
     def arrivals(self, idle: bool):
-        """New requests, as Engine.serve reads them at each host sync: waits while idle; None ends the loop."""
+        """New requests, as Engine.serve reads them while each block runs: waits while idle; None (only when idle)
+        ends the loop."""
         self.ready.set()
         jobs = []
         while not jobs:

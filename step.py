@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from sampling import Sampler
+from sampling import Sampler, on_device
 
 RING = 64  # the output history is a ring of 64 steps; the host reads it every sync_every (< 64) steps
 
@@ -246,7 +246,7 @@ class Stepper:
 
     def move_rows(self, src: list[int], dst: list[int]):
         """Move rows src into the free rows dst: their cache, decode state and sampling (or teacher forcing)."""
-        src, dst = (torch.tensor(rows, device=self.state.tokens.device) for rows in (src, dst))
+        src, dst = (on_device(rows, self.state.tokens.device) for rows in (src, dst))
         move_rows((self.cache, self.state, self.mode), src, dst)
 
     def __call__(self):

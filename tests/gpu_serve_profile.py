@@ -5,16 +5,19 @@ the marks file (lines `label start end`, seconds since the epoch; `bash tests/gp
 writes it), the mean per sync:
 
   rows      the step's size (the ladder's, holding the busy rows)
-  cycle     wall time from one sync to the next, per step (16 steps a sync), less `idle` and the start-up
-  gpu       the GPU's time from the first step's start to the last one's end, per step (CUDA events)
+  cycle     wall time from one block's launch to the next, per step (16 steps a block), less `idle` and the
+            start-up
+  gpu       the GPU's time from the block's first step's start to its last one's end, per step (CUDA events)
   enqueue   the host's time launching the 16 steps (graph replays), in all
-  wait      from the last launch until the block's tokens are on the host (the sync itself)
-  keep      handing each busy row's tokens to its request (and to its client's queue)
   idle      waiting for a request while no row is busy
-  arrive    taking new requests, emptying the free rows' caches
-  prefill   prefilling new requests into free rows, with their first tokens
+  arrive    taking new requests, emptying the free rows' caches (while the block before runs)
+  prefill   the host queuing the prefill of new requests into free rows (its GPU time is in `wait`)
+  wait      the host sync: until the block before and the prefill are done and its tokens on the host
+  keep      handing each busy row's tokens to its request (and to its client's queue)
+  start     the new requests' first tokens, handed over; their rows made busy
   compact   moving busy rows down into free rows
   rest      the cycle's time not in the parts above
+A record's `wait` and `keep` are the block before's; its `rows`, `gpu` and `enqueue` the block it launches.
 
     python tests/gpu_serve_profile.py OUT.json MARKS -- SERVER_OPTIONS...
 """
@@ -85,8 +88,7 @@ def serve(original):
                 record.update(at=time.time(), events=current["events"],
                               cycle=now - (start if start is not None else current.get("prepare_end", now))
                               - current["idle"],
-                              arrive=current["arrive"] - current["idle"],
-                              wait=current["keep_end"] - current["keep"] - current["enqueue_end"])
+                              arrive=current["arrive"] - current["idle"])
                 SYNCS.append(record)
             current.clear()
             start = now
@@ -98,7 +100,7 @@ def summary(syncs: list, label: str) -> str:
     if not syncs:
         return f"{label}: no host sync"
     mean = lambda key: statistics.fmean(s.get(key, 0.0) for s in syncs)
-    parts = ["enqueue", "wait", "keep", "arrive", "prefill", "compact"]  # the cycle's, idle left out
+    parts = ["enqueue", "arrive", "prefill", "wait", "keep", "start", "compact"]  # the cycle's, idle left out
     rest = mean("cycle") - sum(mean(p) for p in parts)
     per_step = lambda key: mean(key) / mean("steps") * 1e3
     return (f"{label}: {len(syncs)} syncs, rows {mean('rows'):.1f}, cycle {per_step('cycle'):.2f} ms/step, "
@@ -109,7 +111,9 @@ def summary(syncs: list, label: str) -> str:
 def main():
     out, marks = sys.argv[1], sys.argv[2]
     generate.Engine.serve = serve(generate.Engine.serve)
+    generate.Engine._read_block = timed("wait", generate.Engine._read_block)
     generate.Engine._keep_block = timed("keep", generate.Engine._keep_block)
+    generate.Engine._start_rows = timed("start", generate.Engine._start_rows)
     generate.Engine._take_arrivals = timed("arrive", generate.Engine._take_arrivals)
     generate.Engine._fill_free_rows = timed("prefill", generate.Engine._fill_free_rows)
     generate.Engine._compact = timed("compact", generate.Engine._compact)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ["generate.py", "step.py", "sampling.py", "memory.py", "model.py", "cache.py", "policies.py", "kernel.py",
           "tinyflow.py"]
 DECODE_STEP = [  # (file, the functions and classes read, in order)
-    ("generate.py", ["Engine._run", "Engine._keep_block"]),
+    ("generate.py", ["Engine._run", "Engine._read_block", "Engine._keep_block"]),
     ("step.py", ["Stepper.__call__", "Stepper.step", "run_block", "advance", "push"]),
     ("model.py", ["Transformer.forward", "Block.forward", "RMSNorm.forward", "Attention.forward", "rotate",
                   "MLP.forward"]),

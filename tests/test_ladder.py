@@ -4,9 +4,10 @@ holds them. Nothing a row produces may depend on it: every row's tokens are what
 import pytest
 import torch
 
+import kernel
 from generate import Engine
 from model import load
-from policies import POLICIES
+from policies import POLICIES, resolve_policy
 from sampling import Sampling
 from step import Stepper, batch_sizes
 
@@ -78,3 +79,105 @@ def test_teacher_forcing_moves_its_continuations_with_their_rows(engine, moves):
         torch.testing.assert_close(torch.tensor([lp for _, lp, _ in got]), torch.tensor([lp for _, lp, _ in want]),
                                    rtol=0, atol=1e-12)
     assert moves["moved"] and 1 in moves["sizes"]
+
+
+@pytest.fixture
+def timeline(monkeypatch):
+    """What the engine loop does, in order: "launch" (a block's first step), "prefill" (requests admitted into
+    rows) and "read" (the host sync for a block's tokens)."""
+    seen = []
+    call, fill, read = Stepper.__call__, Engine._fill_free_rows, Engine._read_block
+
+    def spy_call(self):
+        if not seen or seen[-1] != "launch":
+            seen.append("launch")
+        call(self)
+
+    def spy_fill(self, requests, serving):
+        admitted = fill(self, requests, serving)
+        if admitted.rows:
+            seen.append("prefill")
+        return admitted
+
+    def spy_read(self, cols):
+        seen.append("read")
+        return read(self, cols)
+    monkeypatch.setattr(Stepper, "__call__", spy_call)
+    monkeypatch.setattr(Engine, "_fill_free_rows", spy_fill)
+    monkeypatch.setattr(Engine, "_read_block", spy_read)
+    return seen
+
+
+def test_rows_are_refilled_while_a_block_decodes_and_their_first_tokens_read_with_it(engine, timeline):
+    """The host prefills while the GPU decodes: each refill is queued behind the launched block and read at
+    that block's one host sync (the first prompts, with nothing launched yet, before any block)."""
+    engine.generate(PROMPTS, 40, EOS, 64, "longflow", SAMPLING, seed=5, batch_size=3)
+    refills = [i for i, what in enumerate(timeline) if what == "prefill"][1:]
+    assert timeline[0] == "prefill" and refills, "no row was refilled: the test did not test refilling"
+    assert all(timeline[i - 1] == "launch" and timeline[i + 1] == "read" for i in refills), timeline
+
+
+class Feed:
+    """A server's side of Engine.serve: nothing at its first look while idle (as when every request it took was
+    cancelled), then every prompt at once (more than the rows: refills), then the end."""
+
+    def __init__(self, prompts, sampling, limit=40):
+        self.looks, self.ended = 0, {}
+        self.requests = [(p, limit, set(EOS), s, 5 + i) for i, (p, s) in enumerate(zip(prompts, sampling))]
+
+    def arrivals(self, idle):
+        self.looks += 1
+        if self.looks == 2:
+            return self.requests
+        return None if idle and self.looks > 2 else []
+    stopped = lambda self, i: False
+    progress = lambda self, i, ids: None
+    finished = lambda self, i, ids: self.ended.update({i: list(ids)})
+
+
+def test_a_served_feed_gives_each_request_what_generate_gives_it_and_lets_its_first_tokens_go(engine, monkeypatch):
+    """Served from a feed whose first look finds nothing, the requests get generate's tokens; at each sync the
+    new requests' first tokens are read and their device copies let go (held to the next block, they were
+    GPU memory that bench.py --validate's check finds added)."""
+    start, held = Engine._start_rows, []
+
+    def spy_start(self, requests, serving, admitted, run):
+        start(self, requests, serving, admitted, run)
+        held.append(len(admitted.firsts))
+    monkeypatch.setattr(Engine, "_start_rows", spy_start)
+    want, _ = engine.generate(PROMPTS, 40, EOS, 64, "longflow", SAMPLING, seed=5, batch_size=3)
+    feed = Feed(PROMPTS, SAMPLING)
+    for _ in engine.serve(feed, 3, 64, resolve_policy("longflow", 64)):
+        pass
+    assert [feed.ended[i] for i in range(len(PROMPTS))] == want
+    assert held and not any(held)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_taking_arrivals_and_prefilling_never_wait_for_the_gpu(checkpoints, monkeypatch, kv_dtype):
+    """On the GPU, served from a feed: a synchronizing call (a pageable copy, .tolist(), a boolean mask) while a
+    block decodes would leave the GPU idle for the host's prefill; CUDA's sync debug mode makes each an error.
+    Prompts shorter and longer than the budget (compressed at prefill), bf16 and FP8 caches; the GPU memory in
+    use is the same at every block."""
+    def no_sync(method):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+    kv = kernel.FP8 if kv_dtype else None
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cuda"), torch.bfloat16)
+    prompts = PROMPTS + [[(5 * j) % 50 + 1 for j in range(90)]]  # 90 tokens into 64 slots
+    sampling = SAMPLING + [Sampling()]
+    want, _ = Engine(model, compile=False, kv_dtype=kv).generate(prompts, 40, EOS, 64, "longflow", sampling, seed=5,
+                                                                 batch_size=3)
+    monkeypatch.setattr(Engine, "_fill_free_rows", no_sync(Engine._fill_free_rows))
+    monkeypatch.setattr(Engine, "_take_arrivals", no_sync(Engine._take_arrivals))
+    feed, memory = Feed(prompts, sampling), []
+    for _ in Engine(model, compile=False, kv_dtype=kv).serve(feed, 3, 64, resolve_policy("longflow", 64)):
+        memory.append(torch.cuda.memory_allocated())
+    assert [feed.ended[i] for i in range(len(prompts))] == want
+    assert len(set(memory[1:])) == 1, memory
