@@ -9,7 +9,6 @@
 #     bash tests/gpu_ladder.sh fp8           # issue 28: fp8.py's launch chosen (tests/gpu_fp8_linear.py --write),
 #                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
 #     bash tests/gpu_ladder.sh fp8-check     # the activations' quantization and the step with FP8 weights, again
-#     bash tests/gpu_ladder.sh fp8-swap      # one row on FP8 tensor cores, the weights as the product's M side
 #     bash tests/gpu_ladder.sh fp8-run       # a 128k prefill and throughput, FP8 weights and cache, then bf16
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
@@ -82,8 +81,6 @@ serve-profile)  # the server's engine thread timed under each load (tests/gpu_se
   kill -INT $server  # it shuts down (5 s of grace for open streams), then prints its summary
   for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done; kill -KILL $server 2>/dev/null
   cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
-fp8-swap)  # the next experiment: one row on the tensor cores with the weights as M (tests/gpu_fp8_swap.py)
-  timeout 300 python tests/gpu_fp8_swap.py --json $OUT/fp8_swap.json >> $log 2>&1; echo "fp8 swap rc=$?" >> $log ;;
 fp8-check)  # after a change to the kernels: the activations' quantization alone, and the step at 1 and 4 rows
   timeout 60 python -c "import bench, fp8, torch
 for M in (1, 4, 64): x = torch.randn(M, 4096, device='cuda', dtype=torch.bfloat16); \
