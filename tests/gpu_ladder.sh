@@ -6,6 +6,7 @@
 #     bash tests/gpu_ladder.sh throughput [auto fp8]   # LongFlow at the largest batch that fits, validated
 #     bash tests/gpu_ladder.sh serve         # server.py under a low load, then a sweep of loads (and its PNG)
 #     bash tests/gpu_ladder.sh serve-profile # the same loads, the server's engine thread timed at every sync
+#     bash tests/gpu_ladder.sh saturated     # 520 requests x 512 tokens at once: the server, then bench.py generate
 #     bash tests/gpu_ladder.sh fp8           # issue 28: fp8.py's launch chosen (tests/gpu_fp8_linear.py --write),
 #                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
 #     bash tests/gpu_ladder.sh fp8-check     # the activations' quantization and the step with FP8 weights, again
@@ -54,6 +55,20 @@ serve)
     >> $log 2>&1
   echo "serve sweep rc=$?" >> $log
   kill -INT $server; sleep 5; tail -3 $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+saturated)  # issue 27: served tokens/s at saturation against the engine's own on as many requests of the same size
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> $log 2>&1 && export PYTHONPATH=/tmp/site
+  python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
+  python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000 > $OUT/server.txt 2>&1 &
+  server=$!
+  for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+  timeout 150 python bench.py serve --new-tokens 512 --prompt-len 128 --vocab 151936 --requests 520 \
+    --json $OUT/saturated_serve.json >> $log 2>&1; echo "serve rc=$?" >> $log
+  kill -INT $server; for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
+  cat $OUT/server.txt >> $log; rm $OUT/server.txt
+  # (its tokens/s is the decode's; served tokens/s counts the wall time: compare 520 x 512 / (prefill_s + decode_s))
+  timeout 200 python bench.py generate --shape Qwen3-8B --policy longflow --batch 520 --new-tokens 512 \
+    --prompt-len 128 --json $OUT/saturated_generate.json >> $log 2>&1; echo "generate rc=$?" >> $log ;;
 fp8)
   timeout 300 python tests/gpu_fp8_linear.py --json $OUT/fp8_linear.json --write >> $log 2>&1
   echo "fp8 linear rc=$?" >> $log; grep -A4 "^WEIGHT_ONLY_LAUNCH" fp8.py >> $log
