@@ -744,8 +744,12 @@ class Uvicorn(uvicorn.Server if Starlette else object):
         self.feed = feed
 
     def handle_exit(self, sig, frame):
+        """The first Ctrl-C (or SIGTERM) starts the graceful shutdown; more during it are ignored: uvicorn would
+        force the exit, cancelling open streams mid-answer, and raise each signal again at the end (a traceback
+        from its tasks). The shutdown is bounded anyway: rows end at the next sync, streams within 5 s."""
         self.feed.closing = True
-        super().handle_exit(sig, frame)
+        if not self.should_exit:
+            super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

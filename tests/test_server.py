@@ -533,6 +533,24 @@ def test_ctrl_c_with_streams_open_ends_them_and_exits_cleanly(model_dir):
             "service_unavailable"
 
 
+def test_a_second_ctrl_c_during_the_shutdown_is_ignored(model_dir):
+    """A second SIGINT while the first one's shutdown runs (a double key press, or a signal sent to the process
+    group by a wrapper as well): uvicorn would force the exit, cutting the stream mid-answer, and raise both
+    signals again at the end, a traceback. Ignored, the shutdown ends the same as after one."""
+    s = Running(model_dir, "--max-batch", "1", "--served-model-name", "tiny", "--budget", "64",
+                "--max-model-len", "100000", "--allow-long-context")
+    stream = httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "Hello", "max_tokens": 90000, "ignore_eos": True, "stream": True})
+    lines = stream.__enter__().iter_lines()
+    next(lines)
+    s.proc.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    assert s.stop() == 0  # the second
+    output = s.proc.stdout.read()
+    assert "Traceback" not in output, output
+    *_, error, done = [line for line in lines if line]
+    assert done == "data: [DONE]" and json.loads(error.removeprefix("data: "))["error"]["type"] == "service_unavailable"
+
 def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
     """A free row that the step still runs (the busy rows rounded up to a size of its ladder) decodes junk;
     unless its cache is emptied at every sync, a full cache's row fills up and every step reads all of its
