@@ -4,6 +4,7 @@ reading a prompt, and how a command ends (bad input: one line and exit status 2,
 Ctrl-C: 130; a reader gone: 1)."""
 import argparse
 import os
+import signal
 import sys
 
 import parallel
@@ -174,6 +175,7 @@ def run_command(body, memory_error: type[BaseException], memory_advice, interrup
         say(parallel.report(RuntimeError(memory_advice())))
         sys.exit(2)
     except KeyboardInterrupt:
+        ignore_further_interrupts()
         (interrupted or say_interrupted)()
         sys.exit(130)
     except RuntimeError as e:
@@ -184,6 +186,12 @@ def run_command(body, memory_error: type[BaseException], memory_advice, interrup
         reader_gone()
     finally:
         parallel.stop()
+
+
+def ignore_further_interrupts():
+    """Once a Ctrl-C is handled, more while the finished part is written and the process ends are ignored: one
+    arriving there (a second key press, or a wrapper signalling the process group too) would be a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def say_interrupted():

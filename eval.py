@@ -1089,6 +1089,8 @@ def fail(e: Exception):
 
 def interrupted(what: str):
     """Ctrl-C: one line on stderr and exit status 130, as a shell reports an interrupted command."""
+    from cli import ignore_further_interrupts
+    ignore_further_interrupts()
     if rank0():
         print(f"\ninterrupted: {what}", file=sys.stderr)
     sys.exit(130)
@@ -1209,6 +1211,8 @@ def run_main(args):
             write_table(summaries, out_dir)
         parallel.barrier()
     except KeyboardInterrupt:
+        from cli import ignore_further_interrupts
+        ignore_further_interrupts()
         if parallel.rank() > 0:  # rank 0 counts (and says) what every rank saved
             sys.exit(130)
         saved = sum(len(saved_rows(p, items, proto.samples)) for path in paths for p in [path, *rank_files(path)])

@@ -34,7 +34,7 @@ from policies import is_int, resolve_policy
 from generate import Engine, pick_device
 from memory import pick_batch
 from sampling import SAMPLING_RANGES, BadSetting, Sampling
-from cli import Parser, add_cache_options, check_policy_args, positive_int, say
+from cli import Parser, add_cache_options, check_policy_args, ignore_further_interrupts, positive_int, say
 import parallel
 from model import load, template_messages
 
@@ -716,6 +716,7 @@ def main(argv=None):
         # which would cut off a rank 0 still importing before it says why
         sys.exit(2 if parallel.rank() == 0 else 0)
     except KeyboardInterrupt:  # while loading or compiling (the engine thread is a daemon: it goes too)
+        ignore_further_interrupts()
         say("interrupted")
         sys.exit(130)
     sizes = len(server.engine.stepper.sizes)  # the step for a ladder of batch sizes: the busy rows' runs

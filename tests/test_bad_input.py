@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -297,6 +298,20 @@ def test_ctrl_c_prints_what_was_generated_and_its_stats_then_exits_130(checkpoin
     assert run.returncode == 130 and first, err
     assert "Traceback" not in err and err.strip().endswith("interrupted")
     assert "generated" in out and "KV cache longflow, 40 slots/seq" in out  # the stats of what was generated
+
+
+def test_a_second_ctrl_c_while_the_first_ones_output_is_written_is_ignored(checkpoints):
+    """Two SIGINTs 20 ms apart (a double key press, or a wrapper signalling the process group too): the second
+    one used to land in the output's writing or the interpreter's shutdown, a traceback."""
+    run = start("--model", checkpoints["llama"], "--prompt", "Hello", "--no-chat", "--budget", "40",
+                "--max-new-tokens", "100000", "--allow-long-context", "--device", "cpu", "--no-compile")
+    run.stdout.read(1)
+    run.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 130 and "Traceback" not in err and err.strip().endswith("interrupted"), err
+    assert "KV cache longflow, 40 slots/seq" in out
 
 
 def test_a_reader_that_goes_away_ends_the_run_quietly(checkpoints):
