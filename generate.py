@@ -226,8 +226,8 @@ class Engine:
 
     def score_steps(self, prompts, continuations, budget=None, policy=None, batch_size=None,
                     prompt_rule="snapkv", on_dists=None):
-        """score, as a generator that yields after each block of steps is launched and returns score's result: several
-        engines advanced in turn score in lock-step (eval.py's fidelity compares their distributions
+        """score, as a generator that yields after each block of steps is launched and returns score's result:
+        several engines advanced in turn score in lock-step (eval.py's fidelity compares their distributions
         position by position without keeping them)."""
         check_request(prompts, 1, self.model.cfg.vocab_size)
         if not isinstance(continuations, (list, tuple)) or len(continuations) != len(prompts):
@@ -244,8 +244,8 @@ class Engine:
         return (yield from self._serve(requests, budget, policy, prompt_rule, forcing, batch_size))
 
     def _serve(self, requests: Requests, budget, policy, prompt_rule, mode, batch_size, on_tokens=None):
-        """The common part of generate and score, a generator that yields as each block of steps is launched. mode: "sample",
-        or (continuation buffer length, keep_dists) for teacher forcing."""
+        """The common part of generate and score, a generator that yields as each block of steps is launched.
+        mode: "sample", or (continuation buffer length, keep_dists) for teacher forcing."""
         if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if not isinstance(policy, Policy):
@@ -368,9 +368,9 @@ class Engine:
         return self.mode.read(cols, self.state.history[:, cols].tolist())
 
     def _take_arrivals(self, requests: FedRequests, serving: list) -> bool:
-        """serve, while each block runs: the feed's new requests (when nothing runs, this waits for one). A free row keeps
-        decoding junk, so its cache is emptied each time (else a full cache's row would fill up). False: the
-        server stops."""
+        """serve, while each block runs: the feed's new requests (when nothing runs, this waits for one). A free
+        row keeps decoding junk, so its cache is emptied each time (else a full cache's row would fill up).
+        False: the server stops."""
         if not requests.arrive(idle=not requests.waiting and all(p is None for p in serving)):
             return False
         free = [b for b in range(len(serving)) if serving[b] is None]

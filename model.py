@@ -310,8 +310,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, positions, cache: KVCache, rows=None, last=None, run_block=Block.__call__):
         """tokens, positions: [B, T] (position -1 marks padding). Decodes one token per cache row, or, with
-        `rows` [B] (int64, on the cache's device), prefills whole prompts into those cache rows. Returns logits [B, T, V], or [B, V] at
-        index `last` [B] of each row when given (prefill needs only the last prompt token's logits).
+        `rows` [B] (int64, on the cache's device), prefills whole prompts into those cache rows. Returns logits
+        [B, T, V], or [B, V] at index `last` [B] of each row when given (prefill needs only the last prompt
+        token's logits).
         run_block(block, ...) runs each layer: the decode step passes one compiled function for them all.
         Prefill takes right-padded prompts (each row's positions 0, 1, 2, ..., then -1): its attention needs
         no mask (prefill_attention), so other orders are refused here, once for all layers: on positions given

@@ -6,8 +6,9 @@
 
 One thread owns the GPU and runs Engine.serve: while each block of 16 decode steps runs it prefills
 waiting requests into free rows of the batch; at the host sync that ends the block it hands each request
-its new tokens and frees the rows of requests that ended (EOS, max_tokens, a stop string, a client gone). The HTTP handlers run on asyncio and
-never block that thread: each request's tokens wait in its own queue until its client reads them.
+its new tokens and frees the rows of requests that ended (EOS, max_tokens, a stop string, a client gone).
+The HTTP handlers run on asyncio and never block that thread: each request's tokens wait in its own queue
+until its client reads them.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not),
 GET /v1/models, GET /health. Errors are OpenAI's error JSON with a 4xx status; the server keeps serving.
