@@ -51,7 +51,7 @@ from generate import Engine, pick_device, sync_time
 from memory import batch_that_fits, device_free_bytes, pick_batch
 from sampling import Sampler, Sampling
 from step import State, Stepper
-from cli import Parser, add_weights_option, non_negative_int, positive_int, run_command
+from cli import Parser, add_weights_option, non_negative_int, positive_int, run_as_command, run_command
 import parallel
 from model import Config, checkpoint_params, empty_model, load
 from parallel import SINGLE, Group
@@ -1040,4 +1040,4 @@ def stopped(args):  # Ctrl-C: the rows measured until then, and where they are w
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

@@ -188,10 +188,22 @@ def run_command(body, memory_error: type[BaseException], memory_advice, interrup
         parallel.stop()
 
 
+AS_COMMAND = False  # in a command's own process (run_as_command), not in a Python session that calls its main()
+
+
+def run_as_command(main):
+    """Each command's `if __name__ == "__main__":`: main() in a process of its own."""
+    global AS_COMMAND
+    AS_COMMAND = True
+    main()
+
+
 def ignore_further_interrupts():
     """Once a Ctrl-C is handled, more while the finished part is written and the process ends are ignored: one
-    arriving there (a second key press, or a wrapper signalling the process group too) would be a traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    arriving there (a second key press, or a wrapper signalling the process group too) would be a traceback.
+    Only in a command's own process: a notebook that called main() must still be able to interrupt."""
+    if AS_COMMAND:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def say_interrupted():

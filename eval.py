@@ -1278,4 +1278,5 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
 
 
 if __name__ == "__main__":
-    main()
+    from cli import run_as_command
+    run_as_command(main)

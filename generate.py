@@ -22,8 +22,8 @@ import torch
 
 from cache import KV_DTYPES, KVCache
 from policies import POLICIES, Policy, is_int, resolve_policy
-from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args, positive_int,
-                 read_prompt, run_command)
+from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args,
+                 ignore_further_interrupts, positive_int, read_prompt, run_as_command, run_command)
 import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
@@ -628,6 +628,7 @@ def run(args):
                                       args.seed, batch, on_tokens=screen.stream if batch == 1 else None,
                                       prompt_rule=rule)
     except Interrupted as stop:  # Ctrl-C: what was generated so far, and its statistics
+        ignore_further_interrupts()
         screen.show(stop.outputs, stop.stats)
         raise
     screen.show(outs, stats)
@@ -698,4 +699,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

@@ -35,7 +35,8 @@ from policies import is_int, resolve_policy
 from generate import Engine, pick_device
 from memory import pick_batch
 from sampling import SAMPLING_RANGES, BadSetting, Sampling
-from cli import Parser, add_cache_options, check_policy_args, ignore_further_interrupts, positive_int, say
+from cli import (Parser, add_cache_options, check_policy_args, ignore_further_interrupts, positive_int,
+                 run_as_command, say)
 import parallel
 from model import load, template_messages
 
@@ -729,7 +730,7 @@ def main(argv=None):
     try:
         server.uvicorn.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
-        pass
+        ignore_further_interrupts()
     finally:
         server.feed.closing = True
         server.thread.join(timeout=10)
@@ -755,4 +756,4 @@ class Uvicorn(uvicorn.Server if Starlette else object):
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

@@ -65,9 +65,9 @@ saturated)  # issue 27: served tokens/s at saturation against the engine's own o
   timeout 150 python bench.py serve --new-tokens 512 --prompt-len 128 --vocab 151936 --requests 520 \
     --json $OUT/saturated_serve.json >> $log 2>&1; echo "serve rc=$?" >> $log
   kill -INT $server; for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
-  cat $OUT/server.txt >> $log; rm $OUT/server.txt
+  kill -KILL $server 2>/dev/null; cat $OUT/server.txt >> $log; rm $OUT/server.txt
   # (its tokens/s is the decode's; served tokens/s counts the wall time: compare 520 x 512 / (prefill_s + decode_s))
-  timeout 200 python bench.py generate --shape Qwen3-8B --policy longflow --batch 520 --new-tokens 512 \
+  timeout 300 python bench.py generate --shape Qwen3-8B --policy longflow --batch 520 --new-tokens 512 \
     --prompt-len 128 --json $OUT/saturated_generate.json >> $log 2>&1; echo "generate rc=$?" >> $log ;;
 fp8)
   timeout 300 python tests/gpu_fp8_linear.py --json $OUT/fp8_linear.json --write >> $log 2>&1

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -450,6 +451,18 @@ def test_a_run_interrupted_before_any_token_compares_with_no_full_cache(checkpoi
         engine.generate([tok.encode("Hi")], 4, [], 40)
     line = stop.value.stats.line()
     assert "generated 0 tok" in line and line.endswith(" MiB") and "full cache" not in line, line
+
+
+def test_a_python_session_that_calls_main_keeps_its_ctrl_c_after_an_interrupted_run(checkpoints, capsys, monkeypatch):
+    """generate.py ignores a second Ctrl-C while it writes what an interrupted run made, in its own process only:
+    a notebook that called main() must still be able to interrupt what it runs next."""
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Engine, "_fill_free_rows", ctrl_c)
+    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--max-new-tokens", "4",
+                         "--no-compile")
+    assert code == 130 and err.strip().endswith("interrupted") and "generated 0 tok" in out, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_bad_sampling_flag_is_refused_before_the_model_loads(checkpoints, capsys, monkeypatch):
