@@ -156,11 +156,6 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def on_rank0(fn):
     """fn() run by rank 0 alone (reading a file, checking and writing one), its result handed to every rank;
     its ValueError or OSError is raised on every rank (as a ValueError), so that none is left waiting for
