@@ -20,6 +20,19 @@ log=$OUT/log.txt
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   date -u; echo "== $*"; } >> $log
+# the serve extra from .whl/, random Qwen3-8B weights in /dev/shm/q8, then "$@" (a server) until it serves
+start_server() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> $log 2>&1 && export PYTHONPATH=/tmp/site
+  python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
+  "$@" > $OUT/server.txt 2>&1 &
+  server=$!
+  for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+}
+stop_server() {  # Ctrl-C (5 s of grace for open streams), at most 40 s, then its output into the log
+  kill -INT $server; for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
+  kill -KILL $server 2>/dev/null; cat $OUT/server.txt >> $log; rm $OUT/server.txt
+}
 case "$1" in
 tests+step)
   timeout 200 python -m pytest -q tests/test_score.py tests/test_generate.py -p no:cacheprovider \
@@ -41,31 +54,19 @@ throughput)
     echo "throughput $kv rc=$?" >> $log
   done ;;
 serve)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >> $log 2>&1 && export PYTHONPATH=/tmp/site
-  python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
-  python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000 > $OUT/server.txt 2>&1 &
-  server=$!
-  for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
-  cat $OUT/server.txt >> $log
+  start_server python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000
   serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
   timeout 60 $serve --requests 6 --rate 0.25 --json $OUT/serve_one.json >> $log 2>&1
   echo "serve one rc=$?" >> $log
   timeout 150 $serve --requests 120 --rate 4 16 64 inf --json $OUT/serve_sweep.json --plot $OUT/serve_sweep.png \
     >> $log 2>&1
   echo "serve sweep rc=$?" >> $log
-  kill -INT $server; sleep 5; tail -3 $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+  stop_server ;;
 saturated)  # issue 27: served tokens/s at saturation against the engine's own on as many requests of the same size
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >> $log 2>&1 && export PYTHONPATH=/tmp/site
-  python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
-  python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000 > $OUT/server.txt 2>&1 &
-  server=$!
-  for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+  start_server python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000
   timeout 150 python bench.py serve --new-tokens 512 --prompt-len 128 --vocab 151936 --requests 520 \
     --json $OUT/saturated_serve.json >> $log 2>&1; echo "serve rc=$?" >> $log
-  kill -INT $server; for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
-  kill -KILL $server 2>/dev/null; cat $OUT/server.txt >> $log; rm $OUT/server.txt
+  stop_server
   # (its tokens/s is the decode's; served tokens/s counts the wall time: compare 520 x 512 / (prefill_s + decode_s))
   timeout 300 python bench.py generate --shape Qwen3-8B --policy longflow --batch 520 --new-tokens 512 \
     --prompt-len 128 --json $OUT/saturated_generate.json >> $log 2>&1; echo "generate rc=$?" >> $log ;;
@@ -79,13 +80,8 @@ fp8)
     echo "step $weights rc=$?" >> $log
   done ;;
 serve-profile)  # the server's engine thread timed under each load (tests/gpu_serve_profile.py)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >> $log 2>&1 && export PYTHONPATH=/tmp/site
-  python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
-  python tests/gpu_serve_profile.py $OUT/engine_syncs.json $OUT/marks.txt -- --model /dev/shm/q8 --budget 3200 \
-    --max-waiting 1000 > $OUT/server.txt 2>&1 &
-  server=$!
-  for _ in $(seq 240); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+  start_server python tests/gpu_serve_profile.py $OUT/engine_syncs.json $OUT/marks.txt -- --model /dev/shm/q8 \
+    --budget 3200 --max-waiting 1000
   serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
   for load in "6 0.25" "60 4" "120 16" "120 64" "120 inf"; do
     set -- $load
@@ -93,9 +89,7 @@ serve-profile)  # the server's engine thread timed under each load (tests/gpu_se
     timeout 100 $serve --requests $1 --rate $2 >> $log 2>&1; echo "serve rate $2 rc=$?" >> $log
     echo "rate-$2 $start $(date +%s.%N)" >> $OUT/marks.txt
   done
-  kill -INT $server  # it shuts down (5 s of grace for open streams), then prints its summary
-  for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done; kill -KILL $server 2>/dev/null
-  cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+  stop_server ;;  # the profile prints its summary as the server stops
 fp8-check)  # after a change to the kernels: the activations' quantization alone, and the step at 1 and 4 rows
   timeout 60 python -c "import bench, fp8, torch
 for M in (1, 4, 64): x = torch.randn(M, 4096, device='cuda', dtype=torch.bfloat16); \
