@@ -426,9 +426,9 @@ class Engine:
 
     def _admit(self, rows: list[int], requests: Requests, taken: list[int]) -> list:
         """Prefill requests `taken` into cache `rows`, set those rows' decode state, and return each group's
-        first outputs on the device (Admitted.records reads them): sampled tokens [n], or with teacher forcing
-        the first continuation tokens' (token, logprob, argmax) [n] each. Groups of about PREFILL_TOKENS padded
-        tokens at a time. No host sync: positions stay on the host for the model's order check."""
+        first outputs on the device (Admitted.take_records reads them): sampled tokens [n], or with teacher
+        forcing the first continuation tokens' (token, logprob, argmax) [n] each. Groups of about PREFILL_TOKENS
+        padded tokens at a time. No host sync: positions stay on the host for the model's order check."""
         prompts, firsts = requests.prompts, []
         while rows:
             n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
