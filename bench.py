@@ -636,6 +636,20 @@ async def one_request(client, args, prompt: list[int], delay: float) -> dict:
     return dict(sent=sent, chunks=chunks, tokens=tokens)
 
 
+def busy_as_seen(decoding: list[tuple[float, float]]) -> float:
+    """The busy rows as a request sees them, averaged over every request's decoding time: the integral of n(t)^2
+    over that of n(t), n(t) the requests decoding at time t (from their intervals). A request's time per token
+    follows the step it decodes in, and busier times hold more requests: this is what its step held, on average,
+    above the time average (mean_busy_rows) whenever the load ramps up and down."""
+    events = sorted([(start, 1) for start, _ in decoding] + [(end, -1) for _, end in decoding])
+    n, before, seen, alive = 0, None, 0.0, 0.0
+    for t, change in events:
+        if before is not None:
+            seen, alive = seen + n * n * (t - before), alive + n * (t - before)
+        n, before = n + change, t
+    return seen / alive if alive else 0.0
+
+
 def percentiles(values: list[float]) -> str:
     values = sorted(values)
     at = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3
@@ -668,8 +682,10 @@ async def load_run(args, rate: float) -> dict:
     # first (the server sends a chunk per host sync, 16 tokens, so gaps between chunks are not per token)
     tpot = [(r["chunks"][-1] - r["chunks"][0]) / max(1, args.new_tokens - 1) for r in ok if len(r["chunks"]) > 1]
     # the mean number of requests being decoded (from first chunk to last), which the server's step had to hold
-    busy = sum(r["chunks"][-1] - r["chunks"][0] for r in ok if r["chunks"]) / seconds
+    decoding = [(r["sent"] + r["chunks"][0], r["sent"] + r["chunks"][-1]) for r in ok if r["chunks"]]
+    busy = sum(end - start for start, end in decoding) / seconds
     return dict(workload="serve", requests=args.requests, completed=len(ok), rate=rate, mean_busy_rows=busy,
+                busy_rows_seen=busy_as_seen(decoding),
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, seconds=seconds,
                 tokens_per_s=sum(r["tokens"] for r in ok) / seconds,
                 ttft_ms_p50_p99=percentiles([r["chunks"][0] for r in ok]) if ok else None,

@@ -27,9 +27,9 @@ from cli import (Parser, add_cache_options, batch_size, check_policy_args, check
 import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
-from model import DTYPES, Transformer, load
+from model import DTYPES, MLP_TOKENS, Block, Transformer, load
 from sampling import BadSetting, Sampler, Sampling, on_device, seeds_for, settings_for
-from step import RING, Forcing, State, Stepper
+from step import RING, Forcing, State, Stepper, compiled_prefill
 
 # ---- the generation loop ------------------------------------------------------------------------------
 @dataclass
@@ -191,6 +191,7 @@ class Engine:
         self.allow_long_context, self.kv_dtype = allow_long_context, kv_dtype
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.held_bytes = 0  # GPU memory they hold (memory.free_bytes)
+        self.prefill_block = None  # the prefill's layers compiled (serve), else they run eagerly
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         kernel.check_support(self.device, model.cfg.head_dim, kv_dtype)
@@ -322,6 +323,7 @@ class Engine:
         which requests to stop early (feed.stopped(i)) and is given each one's tokens (feed.progress(i, ids)
         at every sync, feed.finished(i, ids) at its end)."""
         self._prepare(batch_size, slots, policy, prompt_rule, "sample")
+        self._compile_prefill()
         requests = FedRequests(feed)
         yield from self._run(Progress(requests.outs), requests)
 
@@ -353,7 +355,6 @@ class Engine:
                     continue  # a server waits for its next request; a run prefills the next prompts
                 return
             self._compact(serving)
-            self.stepper.size = self.stepper.fit(len(serving) - serving.count(None))
             if requests.sampling:  # the step that sorts the vocabulary only while some row samples
                 self.stepper.hot = any(requests.sampling[p].temperature > 0 for p in serving if p is not None)
             for _ in range(self.sync_every):
@@ -400,17 +401,21 @@ class Engine:
         run.prefill_s += admitted.timer.seconds() if admitted.timer else 0.0
 
     def _compact(self, serving: list):
-        """Move busy rows down into the free rows below them (the highest busy row into the lowest free one),
-        so that the busy rows are the lowest and the step runs at the smallest size that holds them."""
-        free = [b for b, p in enumerate(serving) if p is None]
-        busy = [b for b, p in enumerate(serving) if p is not None][::-1]  # the highest first
-        moves = [(src, dst) for dst, src in zip(free, busy) if dst < src]
+        """Move the busy rows that keep the step larger than their number needs (those at or above the smallest
+        size that holds that many) into the free rows below that size, and run the step at it. A move copies a
+        row's whole cache while the GPU waits for the next block, so the holes that do not grow the step stay,
+        for the next requests (the lowest free rows are filled first)."""
+        size = self.stepper.fit(len(serving) - serving.count(None))
+        free = [b for b in range(size) if serving[b] is None]
+        above = [b for b in range(size, len(serving)) if serving[b] is not None]
+        moves = list(zip(above, free))  # as many free rows below size as busy rows above it, or more
         if moves:
             src, dst = zip(*moves)
             self.stepper.move_rows(src, dst)
             self.cache.reset(on_device(src, self.device))  # free now: a step that still runs it starts empty
         for src, dst in moves:
             serving[dst], serving[src] = serving[src], None
+        self.stepper.size = size
 
     def _keep_block(self, requests: Requests, serving: list, block: list, cols):
         """Each busy row's records of the block (ring columns cols) into its request's output; with teacher
@@ -441,8 +446,8 @@ class Engine:
                 positions[i, :len(prompts[p])] = torch.arange(len(prompts[p]))
             r = on_device(group, self.device)
             lengths = on_device([len(prompts[p]) for p in batch], self.device)
-            logits = self.model(on_device(tokens, self.device), positions, self.cache, rows=r,
-                                last=lengths - 1)  # [n, V]
+            logits = self.model(on_device(tokens, self.device), positions, self.cache, rows=r, last=lengths - 1,
+                                run_block=self._prefill_layers(len(batch), T))  # [n, V]
             if requests.continuations:
                 first, records = self._force_first(group, r, batch, lengths, logits, requests)
             else:
@@ -450,6 +455,31 @@ class Engine:
             self.state.tokens[r], self.state.positions[r] = first, lengths
             firsts.append(records)
         return firsts
+
+    def _compile_prefill(self):
+        """serve: the prefill's layers compiled (step.compiled_prefill), here, for one prompt and for two, so that no
+        request waits while they compile (a few seconds with the compiler's cache warm). The prompts (16 tokens,
+        or fewer than the slots) written into rows 0 and 1 are emptied again."""
+        if not self.compile:
+            return
+        self.prefill_block = self.prefill_block or compiled_prefill()
+        T = min(16, self.cache.slots - 1)
+        for n in range(1, min(2, self.state.tokens.shape[0]) + 1):  # (a single row takes one prompt at a time)
+            if self._prefill_layers(n, T) is self.prefill_block:
+                positions = torch.arange(T).repeat(n, 1)  # [n, T], the tokens too
+                rows, last = on_device(list(range(n)), self.device), on_device([T - 1] * n, self.device)
+                self.model(on_device(positions, self.device), positions, self.cache, rows=rows, last=last,
+                           run_block=self.prefill_block)
+        self.cache.reset()
+
+    def _prefill_layers(self, n: int, T: int):
+        """What runs the layers of a group of n prompts padded to T tokens: the compiled prefill for the groups it was
+        made for (of 2 to MLP_TOKENS tokens, within the slots); the others eagerly: long prompts are the GPU's work
+        more than the host's, and are compressed or chunked (code of their own); one-token prompts, and a policy
+        whose prefill loops over the prompt's length (Policy.prefill_compiles), would compile new versions while
+        the server runs."""
+        fits = 1 < T < self.cache.slots and n * T <= MLP_TOKENS and self.cache.policy.prefill_compiles
+        return self.prefill_block if self.prefill_block and fits else Block.__call__
 
     def _sample_first(self, rows: list[int], r, batch, lengths, logits, requests: Requests):
         """The first token of requests `batch`, sampled from their prompts' last logits [n, V] with their own

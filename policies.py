@@ -183,6 +183,9 @@ class Policy:
     window_share: ClassVar[float] = 0.0  # a default window of this share of the budget left after the sinks
     evicts: ClassVar[bool] = True  # False: a cache sized for every token (full)
     same_in_every_head: ClassVar[bool] = False  # its score: per layer, no mean over the heads is needed
+    # its prefill runs no Python that depends on the prompt's length (a loop over its chunks), so the server's
+    # compiled prefill serves every length with one version (step.compiled_prefill); False: prefilled eagerly
+    prefill_compiles: ClassVar[bool] = True
 
     def score(self, c, q, now):
         """The eviction score of every slot of layer c, lowest goes. Its keys are values (KVCache.with_key_values;
@@ -236,6 +239,10 @@ class KernelPolicy(Policy):
     @property
     def accumulate(self) -> bool:
         return "acc" in self.keeps
+
+    @property
+    def prefill_compiles(self) -> bool:
+        return not self.accumulate  # prompt_seed sums the prompt's attention a chunk of queries at a time
 
     def attend(self, cache, c, q, now):
         # tensor parallel, one decision per layer: the kernel gives this rank's part of the score, not a slot

@@ -706,8 +706,8 @@ def main(argv=None):
         server = build(args)
         server.thread.start()
         started = time.perf_counter()
-        print(f"compiling the decode step for {server.rows} rows of {server.slots} KV slots...", file=sys.stderr,
-              flush=True)
+        print(f"compiling the decode step for {server.rows} rows of {server.slots} KV slots, and the prefill...",
+              file=sys.stderr, flush=True)
         while not server.feed.ready.wait(0.5):
             if not server.thread.is_alive():
                 say(f"error: the engine failed to start: {server.failed}")
@@ -723,7 +723,8 @@ def main(argv=None):
         sys.exit(130)
     sizes = len(server.engine.stepper.sizes)  # the step for a ladder of batch sizes: the busy rows' runs
     print(f"serving {server.name} on http://{args.host}:{args.port}/v1 ({server.rows} rows, {server.policy.name}, "
-          f"{server.slots} slots; the step made for {sizes} batch sizes in {time.perf_counter() - started:.1f} s)",
+          f"{server.slots} slots; the step made for {sizes} batch sizes, and the prefill, in "
+          f"{time.perf_counter() - started:.1f} s)",
           file=sys.stderr, flush=True)
     server.uvicorn = Uvicorn(uvicorn.Config(app(server), host=args.host, port=args.port, log_level="warning",
                                             timeout_graceful_shutdown=5), server.feed)

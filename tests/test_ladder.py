@@ -1,15 +1,17 @@
-"""The step at the busy rows: the engine keeps its busy rows in the lowest rows (moving a row's cache, decode
-state and sampling down when one below it frees) and runs the step at the smallest size of the ladder that
-holds them. Nothing a row produces may depend on it: every row's tokens are what its prompt gives alone."""
+"""The step at the busy rows: the engine runs the step at the smallest size of the ladder that holds as many rows
+as are busy, moving a row's cache, decode state and sampling down into it when a row above it is busy. Nothing a
+row produces may depend on it: every row's tokens are what its prompt gives alone. And the server's side of it:
+prefilling new requests while a block decodes, through a compiled prefill."""
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import kernel
 from generate import Engine
 from model import load
 from policies import POLICIES, resolve_policy
 from sampling import Sampling
-from step import Stepper, batch_sizes
+from step import Stepper, batch_sizes, compiled_prefill
 
 EOS = [3, 9, 17, 21, 30, 31]  # ids the tiny model meets often: rows end at different steps
 
@@ -66,6 +68,20 @@ def test_moving_busy_rows_down_changes_no_rows_tokens(engine, moves, policy):
     assert together == alone
     assert moves["moved"], "no row was moved: the test did not test compaction"
     assert max(moves["sizes"]) == 3 and min(moves["sizes"]) < 3, "the step ran at the whole batch and below it"
+
+
+def test_compaction_moves_only_the_busy_rows_that_keep_the_step_larger_than_their_number_needs(engine, moves):
+    """Three busy rows of eight run at the ladder's 4 rows: the busy row above it moves into the lowest free row
+    below it; a free row below it stays free (a move copies a whole row's cache while the GPU waits)."""
+    engine._prepare(8, 64, resolve_policy("longflow", 64), "snapkv", "sample")
+    assert engine.stepper.sizes == [1, 2, 4, 8]
+    serving = [10, None, 11, None, None, 12, None, None]
+    engine._compact(serving)
+    assert moves["moved"] == [(5, 1)] and engine.stepper.size == 4
+    assert serving == [10, 12, 11, None, None, None, None, None]
+    serving = [10, None, 11, 12, None, None, None, None]
+    engine._compact(serving)
+    assert moves["moved"] == [(5, 1)] and engine.stepper.size == 4, "nothing to move: the busy rows fit the step"
 
 
 def test_teacher_forcing_moves_its_continuations_with_their_rows(engine, moves):
@@ -181,3 +197,76 @@ def test_taking_arrivals_and_prefilling_never_wait_for_the_gpu(checkpoints, monk
         memory.append(torch.cuda.memory_allocated())
     assert [feed.ended[i] for i in range(len(prompts))] == want
     assert len(set(memory[1:])) == 1, memory
+
+
+def prefill(model, cache, prompts: list[list[int]], rows: list[int], run_block=None):
+    """Prompts right-padded into cache rows, as the engine prefills them: the last tokens' logits [n, V]."""
+    T = max(map(len, prompts))
+    tokens = torch.zeros(len(prompts), T, dtype=torch.int64)
+    positions = torch.full((len(prompts), T), -1)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)], positions[i, :len(p)] = torch.tensor(p), torch.arange(len(p))
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    kwargs = dict(run_block=run_block) if run_block else {}
+    return model(tokens, positions, cache, rows=torch.tensor(rows), last=last, **kwargs)
+
+
+def test_the_compiled_prefill_writes_what_the_eager_one_writes_with_one_version_for_any_group(checkpoints):
+    """The server's prefill (step.compiled_prefill) against the eager one, group by group into the same rows: the
+    same logits and cache, within float32 rounding (the compiled layer fuses the norms and RoPE, and sums in
+    another order); one version compiled for a lone prompt and one for every group of two or more prompts,
+    whatever their number and lengths."""
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
+    engine = Engine(model, compile=False)
+    engine._prepare(4, 64, resolve_policy("longflow", 64), "snapkv", "sample")
+    compiled, graphs = compiled_prefill(), counters["stats"]["unique_graphs"]
+    groups = [([0, 1], [20, 17]), ([1, 2, 3], [30, 5, 9]), ([2], [7]), ([0], [11]), ([0, 1, 2, 3], [40, 33, 2, 9])]
+    for rows, lengths in groups:
+        prompts = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+        eager = prefill(model, engine.cache, prompts, rows)
+        cached = [t.clone() for layer in engine.cache.layers for t in (layer.k, layer.v, layer.pos)]
+        torch.testing.assert_close(prefill(model, engine.cache, prompts, rows, compiled), eager, rtol=0, atol=1e-5)
+        for before, now in zip(cached, (t for layer in engine.cache.layers for t in (layer.k, layer.v, layer.pos))):
+            torch.testing.assert_close(now, before, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
+def test_the_engine_compiles_the_prefill_of_short_groups_for_policies_whose_prefill_allows_it(engine, monkeypatch):
+    """What runs a group's layers (Engine._prefill_layers) once the server compiled its prefill: the compiled
+    version for groups of 2 to MLP_TOKENS tokens within the slots; eagerly a prompt that does not fit (it is
+    compressed), a group past MLP_TOKENS (chunked), one-token prompts, and H2O / VATP (their prompt seed loops
+    over the prompt's length)."""
+    compiled = object()  # what serve's _compile_prefill sets: here only compared
+    monkeypatch.setattr(engine, "prefill_block", compiled)
+    engine._prepare(4, 64, resolve_policy("longflow", 64), "snapkv", "sample")
+    assert engine._prefill_layers(1, 2) is compiled and engine._prefill_layers(128, 63) is compiled
+    assert engine._prefill_layers(1, 64) is not compiled, "a prompt of the slots' length is compressed"
+    assert engine._prefill_layers(131, 63) is not compiled and engine._prefill_layers(3, 1) is not compiled
+    for policy in ("h2o", "vatp"):
+        engine._prepare(4, 64, resolve_policy(policy, 64), "snapkv", "sample")
+        assert engine._prefill_layers(2, 16) is not compiled, policy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_servers_compiled_prefill_compiles_before_the_first_request_and_never_waits_for_the_gpu(checkpoints,
+                                                                                                   monkeypatch):
+    """Served by a compiling engine on the GPU: the prefill is compiled before the first request (serve's
+    warm-up: nothing compiles after it), never syncs while a block decodes, and the GPU memory in use is the
+    same at every block; every request gets its tokens."""
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cuda"), torch.bfloat16)
+    fill = Engine._fill_free_rows
+
+    def no_sync(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fill(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(Engine, "_fill_free_rows", no_sync)
+    feed, memory, graphs = Feed(PROMPTS, SAMPLING), [], []
+    for _ in Engine(model).serve(feed, 3, 64, resolve_policy("longflow", 64)):
+        memory.append(torch.cuda.memory_allocated())
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len(set(graphs)) == 1, graphs
+    assert len(set(memory[1:])) == 1, memory
+    assert all(0 < len(feed.ended[i]) <= 40 for i in range(len(PROMPTS)))

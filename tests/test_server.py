@@ -513,7 +513,17 @@ def test_the_load_generator_sweeps_its_rates_and_reports_every_request_completed
     for row in rows:
         assert (row["requests"], row["completed"], row["new_tokens"]) == (12, 12, 20) and row["tokens_per_s"] > 0
         assert row["ttft_ms_p50_p99"] and row["tpot_ms_p50_p99"] and 0 < row["mean_busy_rows"] <= 12
+        assert row["mean_busy_rows"] <= row["busy_rows_seen"] <= 12
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_busy_rows_a_request_sees_weigh_each_moment_by_the_requests_decoding_then():
+    """One request alone for a second, then two together for a second: over the three request-seconds, one saw one
+    busy row and two saw two (5 / 3), where the time average is 1.5."""
+    import bench
+    assert bench.busy_as_seen([(0.0, 2.0), (1.0, 2.0)]) == 5 / 3
+    assert bench.busy_as_seen([(0.0, 1.0), (0.0, 1.0), (0.0, 1.0)]) == 3.0
+    assert bench.busy_as_seen([]) == 0.0
 
 
 def test_ctrl_c_with_streams_open_ends_them_and_exits_cleanly(model_dir):
