@@ -86,7 +86,7 @@ def add_cache_options(p: Parser):
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step (and the server's prefill) eagerly")
 
 
 def add_weights_option(p: Parser):

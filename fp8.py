@@ -356,7 +356,7 @@ def _cublas_reads(x, weight, scale_inv) -> bool:
 def _cublas_blockwise(device, dtype) -> bool:
     """A Hopper GPU (cuBLAS has the blockwise product for sm_90) whose torch runs it into `dtype`: cuBLAS 12.9
     and a torch that passes the factors on (mid-2025) are needed, so one small product is tried, once. It runs
-    uncaptured: each step size's warm-up runs before its capture, and prefill is eager. Where it fails, the
+    uncaptured: each step size's warm-up runs before its capture, and prefill is never captured. Where it fails, the
     Triton kernel multiplies, and a warning says so."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return False

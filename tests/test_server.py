@@ -564,8 +564,9 @@ def test_a_second_ctrl_c_during_the_shutdown_is_ignored(model_dir):
 def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
     """A free row that the step still runs (the busy rows rounded up to a size of its ladder) decodes junk;
     unless its cache is emptied at every sync, a full cache's row fills up and every step reads all of its
-    slots. Five rows (ladder 1, 2, 4, 5), four requests: when the short one ends, the last busy row moves into
-    its row, and the three busy rows run in the step of four, row 3 free."""
+    slots. Five rows (ladder 1, 2, 4, 5), four requests: when the short one (row 0) ends, the three busy rows
+    still need the step of four, so nothing moves and row 0 runs in it, free. The block launched at the sync that
+    freed it decodes on top of what it held (3 + 16 + 16 slots); from the next sync on, 16 at most."""
     import generate
     from policies import resolve_policy
     from sampling import Sampling
@@ -586,9 +587,10 @@ def test_a_full_cache_server_keeps_its_free_rows_empty(checkpoints):
     feed, filled = Feed(), []
     for _ in engine.serve(feed, 5, 300, resolve_policy(None, None)):
         if engine.stepper.size == 4:
-            filled.append(engine.cache.layers[0].next_slot[3, 0].item())  # the row freed by the move
+            filled.append(engine.cache.layers[0].next_slot[0, 0].item())  # the short request's row
     assert feed.ended == [2, 100, 100, 100] and len(filled) >= 6
-    assert max(filled[1:]) <= engine.sync_every  # emptied at every sync, not filling with junk
+    assert filled[1] == 3 + 2 * engine.sync_every
+    assert max(filled[2:]) <= engine.sync_every  # emptied at every sync, not filling with junk
 
 
 def test_a_request_that_ends_in_the_block_where_shutdown_begins_keeps_every_token(checkpoints):
