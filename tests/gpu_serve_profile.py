@@ -12,6 +12,8 @@ writes it), the mean per sync:
   idle      waiting for a request while no row is busy
   arrive    taking new requests, emptying the free rows' caches (while the block before runs)
   prefill   the host queuing the prefill of new requests into free rows (its GPU time is in `wait`)
+  prefilled the requests prefilled (in all, not per sync)
+  prefill_gpu  the GPU's time from the prefill's start (after the block) to its end (CUDA events), in `wait`
   wait      the host sync: until the block before and the prefill are done and its tokens on the host
   keep      handing each busy row's tokens to its request (and to its client's queue)
   start     the new requests' first tokens, handed over; their rows made busy
@@ -77,6 +79,15 @@ def arrivals(original):
     return arrive
 
 
+def starting(original):
+    """Engine._start_rows, after the sync: the requests it starts, and their prefill's GPU time (DeviceTimer)."""
+    def start(self, requests, serving, admitted, run):
+        current["prefilled"] += len(admitted.rows)
+        current["prefill_gpu"] += admitted.timer.seconds() if admitted.timer else 0.0
+        return original(self, requests, serving, admitted, run)
+    return start
+
+
 def serve(original):
     """Engine.serve, each sync from its yield to the next one a record (the first from the end of _prepare)."""
     def run(self, *args, **kwargs):
@@ -103,9 +114,12 @@ def summary(syncs: list, label: str) -> str:
     parts = ["enqueue", "arrive", "prefill", "wait", "keep", "start", "compact"]  # the cycle's, idle left out
     rest = mean("cycle") - sum(mean(p) for p in parts)
     per_step = lambda key: mean(key) / mean("steps") * 1e3
+    prefilled = sum(s.get("prefilled", 0) for s in syncs)
+    per_request = sum(s.get("prefill_gpu", 0.0) for s in syncs) / max(1, prefilled) * 1e3
     return (f"{label}: {len(syncs)} syncs, rows {mean('rows'):.1f}, cycle {per_step('cycle'):.2f} ms/step, "
             f"gpu {per_step('gpu'):.2f} ms/step; per sync (ms): idle {mean('idle') * 1e3:.2f}, "
-            + ", ".join(f"{p} {mean(p) * 1e3:.2f}" for p in parts) + f", rest {rest * 1e3:.2f}")
+            + ", ".join(f"{p} {mean(p) * 1e3:.2f}" for p in parts) + f", rest {rest * 1e3:.2f}; "
+            f"{prefilled:.0f} prefilled, their prefill's GPU time {per_request:.2f} ms a request")
 
 
 def main():
@@ -113,11 +127,12 @@ def main():
     generate.Engine.serve = serve(generate.Engine.serve)
     generate.Engine._read_block = timed("wait", generate.Engine._read_block)
     generate.Engine._keep_block = timed("keep", generate.Engine._keep_block)
-    generate.Engine._start_rows = timed("start", generate.Engine._start_rows)
+    generate.Engine._start_rows = timed("start", starting(generate.Engine._start_rows))
     generate.Engine._take_arrivals = timed("arrive", generate.Engine._take_arrivals)
     generate.Engine._fill_free_rows = timed("prefill", generate.Engine._fill_free_rows)
     generate.Engine._compact = timed("compact", generate.Engine._compact)
     generate.Engine._prepare = timed("prepare", generate.Engine._prepare)
+    generate.Engine._compile_prefill = timed("prepare", generate.Engine._compile_prefill)  # start-up, not a cycle
     server.Feed.arrivals = arrivals(server.Feed.arrivals)
     step.Stepper.__call__ = stepper_call(step.Stepper.__call__)
     try:
