@@ -248,11 +248,13 @@ def test_the_engine_compiles_the_prefill_of_short_groups_for_policies_whose_pref
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
 def test_the_servers_compiled_prefill_compiles_before_the_first_request_and_never_waits_for_the_gpu(checkpoints,
-                                                                                                   monkeypatch):
-    """Served by a compiling engine on the GPU: the prefill is compiled before the first request (serve's
-    warm-up: nothing compiles after it), never syncs while a block decodes, and the GPU memory in use is the
-    same at every block; every request gets its tokens."""
+                                                                                                   monkeypatch,
+                                                                                                   kv_dtype):
+    """Served by a compiling engine on the GPU, with a bf16 and an FP8 cache: the prefill is compiled before the
+    first request (serve's warm-up: nothing compiles after it), never syncs while a block decodes, and the GPU
+    memory in use is the same at every block; every request gets its tokens."""
     model, _ = load(str(checkpoints["qwen3"]), torch.device("cuda"), torch.bfloat16)
     fill = Engine._fill_free_rows
 
@@ -264,7 +266,8 @@ def test_the_servers_compiled_prefill_compiles_before_the_first_request_and_neve
             torch.cuda.set_sync_debug_mode("default")
     monkeypatch.setattr(Engine, "_fill_free_rows", no_sync)
     feed, memory, graphs = Feed(PROMPTS, SAMPLING), [], []
-    for _ in Engine(model).serve(feed, 3, 64, resolve_policy("longflow", 64)):
+    kv = kernel.FP8 if kv_dtype else None
+    for _ in Engine(model, kv_dtype=kv).serve(feed, 3, 64, resolve_policy("longflow", 64)):
         memory.append(torch.cuda.memory_allocated())
         graphs.append(counters["stats"]["unique_graphs"])
     assert len(set(graphs)) == 1, graphs
