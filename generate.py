@@ -438,16 +438,7 @@ class Engine:
         while rows:
             n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
             group, rows, batch, taken = rows[:n], rows[n:], taken[:n], taken[n:]
-            T = max(len(prompts[p]) for p in batch)
-            tokens = torch.zeros(len(batch), T, dtype=torch.int64)
-            positions = torch.full((len(batch), T), -1, dtype=torch.int64)
-            for i, p in enumerate(batch):
-                tokens[i, :len(prompts[p])] = torch.tensor(prompts[p])
-                positions[i, :len(prompts[p])] = torch.arange(len(prompts[p]))
-            r = on_device(group, self.device)
-            lengths = on_device([len(prompts[p]) for p in batch], self.device)
-            logits = self.model(on_device(tokens, self.device), positions, self.cache, rows=r, last=lengths - 1,
-                                run_block=self._prefill_layers(len(batch), T))  # [n, V]
+            logits, r, lengths = self._prefill(group, [prompts[p] for p in batch])
             if requests.continuations:
                 first, records = self._force_first(group, r, batch, lengths, logits, requests)
             else:
@@ -466,11 +457,21 @@ class Engine:
         T = min(16, self.cache.slots - 1)
         for n in range(1, min(2, self.state.tokens.shape[0]) + 1):  # (a single row takes one prompt at a time)
             if self._prefill_layers(n, T) is self.prefill_block:
-                positions = torch.arange(T).repeat(n, 1)  # [n, T], the tokens too
-                rows, last = on_device(list(range(n)), self.device), on_device([T - 1] * n, self.device)
-                self.model(on_device(positions, self.device), positions, self.cache, rows=rows, last=last,
-                           run_block=self.prefill_block)
+                self._prefill(list(range(n)), [list(range(T))] * n)
         self.cache.reset()
+
+    def _prefill(self, rows: list[int], prompts: list[list[int]]):
+        """Prompts, right-padded, into cache `rows`: the last prompt tokens' logits [n, V], and the rows and the
+        prompts' lengths on the device ([n] each)."""
+        T = max(map(len, prompts))
+        tokens = torch.zeros(len(prompts), T, dtype=torch.int64)
+        positions = torch.full((len(prompts), T), -1, dtype=torch.int64)  # on the host: the order check's
+        for i, prompt in enumerate(prompts):
+            tokens[i, :len(prompt)], positions[i, :len(prompt)] = torch.tensor(prompt), torch.arange(len(prompt))
+        r, lengths = on_device(rows, self.device), on_device(list(map(len, prompts)), self.device)
+        logits = self.model(on_device(tokens, self.device), positions, self.cache, rows=r, last=lengths - 1,
+                            run_block=self._prefill_layers(len(prompts), T))  # [n, V]
+        return logits, r, lengths
 
     def _prefill_layers(self, n: int, T: int):
         """What runs the layers of a group of n prompts padded to T tokens: the compiled prefill for the groups it was
