@@ -6,6 +6,7 @@
 #     bash tests/gpu_ladder.sh throughput [auto fp8]   # LongFlow at the largest batch that fits, validated
 #     bash tests/gpu_ladder.sh serve         # server.py under a low load, then a sweep of loads (and its PNG)
 #     bash tests/gpu_ladder.sh serve-profile # the same loads, the server's engine thread timed at every sync
+#                                            # (LOADS="120,16 60,4": some of them, requests,rate)
 #     bash tests/gpu_ladder.sh saturated     # 520 requests x 512 tokens at once: the server, then bench.py generate
 #     bash tests/gpu_ladder.sh fp8           # issue 28: fp8.py's launch chosen (tests/gpu_fp8_linear.py --write),
 #                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
@@ -83,8 +84,8 @@ serve-profile)  # the server's engine thread timed under each load (tests/gpu_se
   start_server python tests/gpu_serve_profile.py $OUT/engine_syncs.json $OUT/marks.txt -- --model /dev/shm/q8 \
     --budget 3200 --max-waiting 1000
   serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
-  for load in "6 0.25" "60 4" "120 16" "120 64" "120 inf"; do
-    set -- $load
+  for load in ${LOADS:-6,0.25 60,4 120,16 120,64 120,inf}; do
+    set -- ${load/,/ }
     start=$(date +%s.%N)
     timeout 100 $serve --requests $1 --rate $2 >> $log 2>&1; echo "serve rate $2 rc=$?" >> $log
     echo "rate-$2 $start $(date +%s.%N)" >> $OUT/marks.txt
