@@ -29,7 +29,7 @@ import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
 from model import DTYPES, MLP_TOKENS, Block, Transformer, load
 from sampling import BadSetting, Sampler, Sampling, on_device, seeds_for, settings_for
-from step import RING, Forcing, State, Stepper, compiled_prefill
+from step import RING, Forcing, PrefillGraphs, State, Stepper, compiled_prefill
 
 # ---- the generation loop ------------------------------------------------------------------------------
 @dataclass
@@ -192,6 +192,7 @@ class Engine:
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
         self.held_bytes = 0  # GPU memory they hold (memory.free_bytes)
         self.prefill_block = None  # the prefill's layers compiled (serve), else they run eagerly
+        self.prefill_graphs = None  # serve on CUDA: small groups' compiled prefill replayed (step.PrefillGraphs)
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         kernel.check_support(self.device, model.cfg.head_dim, kv_dtype)
@@ -302,6 +303,7 @@ class Engine:
             self.cache.reset()
             return
         self.key = self.stepper = self.cache = self.state = self.mode = None  # free the old cache first
+        self.prefill_graphs = None  # (they write into the old cache)
         self.held_bytes = 0  # and count none of it (also if what follows fails)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -436,7 +438,7 @@ class Engine:
         padded tokens at a time. No host sync: positions stay on the host for the model's order check."""
         prompts, firsts = requests.prompts, []
         while rows:
-            n = max(1, PREFILL_TOKENS // max(len(prompts[p]) for p in taken))
+            n = self._group_size([len(prompts[p]) for p in taken])
             group, rows, batch, taken = rows[:n], rows[n:], taken[:n], taken[n:]
             logits, r, lengths = self._prefill(group, [prompts[p] for p in batch])
             if requests.continuations:
@@ -447,28 +449,43 @@ class Engine:
             firsts.append(records)
         return firsts
 
+    def _group_size(self, lengths: list[int]) -> int:
+        """How many of the waiting prompts (of these lengths) to prefill as one group: about PREFILL_TOKENS padded
+        tokens, or as many as a CUDA graph of the prefill takes when one holds prompts that long."""
+        graphs = self.prefill_graphs
+        if graphs and graphs.length(1, max(lengths[:graphs.most])):
+            return graphs.most
+        return max(1, PREFILL_TOKENS // max(lengths))
+
     def _compile_prefill(self):
         """serve: the prefill's layers compiled (step.compiled_prefill), here, for one prompt and for two, so that no
-        request waits while they compile (a few seconds with the compiler's cache warm). The prompts (16 tokens,
-        or fewer than the slots) written into rows 0 and 1 are emptied again."""
+        request waits while they compile (a few seconds with the compiler's cache warm), then, on CUDA, captured
+        for small groups (step.PrefillGraphs). The prompts (16 tokens, or fewer than the slots) written into rows
+        0 and 1 are emptied again."""
         if not self.compile:
             return
         self.prefill_block = self.prefill_block or compiled_prefill()
-        T = min(16, self.cache.slots - 1)
-        for n in range(1, min(2, self.state.tokens.shape[0]) + 1):  # (a single row takes one prompt at a time)
+        T, rows = min(16, self.cache.slots - 1), self.state.tokens.shape[0]
+        for n in range(1, min(2, rows) + 1):  # (a single row takes one prompt at a time)
             if self._prefill_layers(n, T) is self.prefill_block:
                 self._prefill(list(range(n)), [list(range(T))] * n)
         self.cache.reset()
+        if self.device.type == "cuda" and self._prefill_layers(1, T) is self.prefill_block:
+            self.prefill_graphs = PrefillGraphs(self.model, self.cache, rows, self.prefill_block, self.stepper.pool)
 
     def _prefill(self, rows: list[int], prompts: list[list[int]]):
         """Prompts, right-padded, into cache `rows`: the last prompt tokens' logits [n, V], and the rows and the
-        prompts' lengths on the device ([n] each)."""
+        prompts' lengths on the device ([n] each). A group a CUDA graph holds is padded to its length and replayed."""
         T = max(map(len, prompts))
+        graphed = self.prefill_graphs and self.prefill_graphs.length(len(prompts), T)
+        T = graphed or T
         tokens = torch.zeros(len(prompts), T, dtype=torch.int64)
         positions = torch.full((len(prompts), T), -1, dtype=torch.int64)  # on the host: the order check's
         for i, prompt in enumerate(prompts):
             tokens[i, :len(prompt)], positions[i, :len(prompt)] = torch.tensor(prompt), torch.arange(len(prompt))
         r, lengths = on_device(rows, self.device), on_device(list(map(len, prompts)), self.device)
+        if graphed:
+            return self.prefill_graphs(tokens, positions, r, lengths - 1), r, lengths
         logits = self.model(on_device(tokens, self.device), positions, self.cache, rows=r, last=lengths - 1,
                             run_block=self._prefill_layers(len(prompts), T))  # [n, V]
         return logits, r, lengths

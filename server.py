@@ -722,8 +722,10 @@ def main(argv=None):
         say("interrupted")
         sys.exit(130)
     sizes = len(server.engine.stepper.sizes)  # the step for a ladder of batch sizes: the busy rows' runs
+    graphs = server.engine.prefill_graphs
+    replays = f" ({len(graphs.graphs)} graphs, {graphs.bytes / 2**30:.2f} GiB)" if graphs else ""
     print(f"serving {server.name} on http://{args.host}:{args.port}/v1 ({server.rows} rows, {server.policy.name}, "
-          f"{server.slots} slots; the step made for {sizes} batch sizes, and the prefill, in "
+          f"{server.slots} slots; the step made for {sizes} batch sizes, and the prefill{replays}, in "
           f"{time.perf_counter() - started:.1f} s)",
           file=sys.stderr, flush=True)
     server.uvicorn = Uvicorn(uvicorn.Config(app(server), host=args.host, port=args.port, log_level="warning",

@@ -2,6 +2,8 @@
 as are busy, moving a row's cache, decode state and sampling down into it when a row above it is busy. Nothing a
 row produces may depend on it: every row's tokens are what its prompt gives alone. And the server's side of it:
 prefilling new requests while a block decodes, through a compiled prefill."""
+import types
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -273,3 +275,43 @@ def test_the_servers_compiled_prefill_compiles_before_the_first_request_and_neve
     assert len(set(graphs)) == 1, graphs
     assert len(set(memory[1:])) == 1, memory
     assert all(0 < len(feed.ended[i]) <= 40 for i in range(len(PROMPTS)))
+
+
+def test_waiting_prompts_that_a_prefill_graph_holds_go_in_groups_of_its_size(engine, monkeypatch):
+    """Engine._group_size: prompts as long as a CUDA graph of the prefill takes (step.PrefillGraphs) are prefilled
+    as many at a time as the graphs hold, others (or where there are no graphs) in groups of about PREFILL_TOKENS."""
+    assert engine._group_size([128] * 20) == 16384 // 128
+    graphs = types.SimpleNamespace(most=8, length=lambda n, T: 512 if n <= 8 and T <= 512 else None)
+    monkeypatch.setattr(engine, "prefill_graphs", graphs)
+    assert engine._group_size([128] * 20) == 8 and engine._group_size([5, 512]) == 8
+    assert engine._group_size([128, 4096]) == 16384 // 4096, "a long prompt among the first 8: no graph"
+    assert engine._group_size([100] * 8 + [4096]) == 8, "the long one is not in the group"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_a_replayed_prefill_graph_writes_what_the_compiled_prefill_writes(checkpoints, kv_dtype):
+    """The server's small groups, padded to a graph's length and replayed (step.PrefillGraphs), against the same
+    compiled prefill run unpadded, group by group into the same rows: the same logits and cache. float32 (TF32
+    off): only the padding's other shapes differ, so the sums' order and the error stay at float32 rounding; the
+    positions equal."""
+    model, _ = load(str(checkpoints["qwen3"]), torch.device("cuda"), torch.float32)
+    engine = Engine(model, kv_dtype=kernel.FP8 if kv_dtype else None)
+    engine._prepare(4, 64, resolve_policy("longflow", 64), "snapkv", "sample")
+    engine._compile_prefill()
+    graphs = engine.prefill_graphs
+    assert sorted(graphs.graphs) == [(n, T) for n in range(1, 5) for T in (16, 32)]
+    layers = engine.cache.layers
+    for rows, lengths in [([0, 1], [20, 17]), ([1, 2, 3], [30, 5, 9]), ([2], [7]), ([0, 1, 2, 3], [1, 32, 2, 9])]:
+        prompts = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+        replayed = engine._prefill(rows, prompts)[0]
+        cached = [t.clone() for layer in layers for t in (layer.k, layer.v, layer.pos)]
+        engine.prefill_graphs = None
+        compiled = engine._prefill(rows, prompts)[0]
+        engine.prefill_graphs = graphs
+        torch.testing.assert_close(replayed, compiled, rtol=0, atol=1e-4)
+        for before, now in zip(cached, (t for layer in layers for t in (layer.k, layer.v, layer.pos))):
+            if now.dtype == torch.uint8:  # FP8 bits: a value within rounding of a step between two e4m3 values
+                assert (now != before).float().mean() < 1e-3  # may round to the other one
+            else:
+                torch.testing.assert_close(now, before, rtol=0, atol=1e-4)
