@@ -450,12 +450,14 @@ class Engine:
         return firsts
 
     def _group_size(self, lengths: list[int]) -> int:
-        """How many of the waiting prompts (of these lengths) to prefill as one group: about PREFILL_TOKENS padded
-        tokens, or as many as a CUDA graph of the prefill takes when one holds prompts that long."""
+        """How many of the waiting prompts (of these lengths) to prefill as one group: all of them when a CUDA graph
+        of the prefill holds them; else about PREFILL_TOKENS padded tokens, MLP_TOKENS with the compiled prefill
+        (the groups it takes). A burst is prefilled in large compiled groups, where the GPU's work outweighs the
+        launches, rather than in many graphs of a few prompts, each of them reading all the weights."""
         graphs = self.prefill_graphs
-        if graphs and graphs.length(1, max(lengths[:graphs.most])):
-            return graphs.most
-        return max(1, PREFILL_TOKENS // max(lengths))
+        if graphs and graphs.length(len(lengths), max(lengths)):
+            return len(lengths)
+        return max(1, (MLP_TOKENS if self.prefill_block else PREFILL_TOKENS) // max(lengths))
 
     def _compile_prefill(self):
         """serve: the prefill's layers compiled (step.compiled_prefill), here, for one prompt and for two, so that no

@@ -222,6 +222,7 @@ class PrefillGraphs:
         self.lengths = [T for T in self.LENGTHS if T < cache.slots]  # a prompt that fills the slots is compressed
         self.most = min(self.GROUPS, rows)
         self.inputs, self.logits, self.graphs = {}, {}, {}
+        torch.cuda.empty_cache()  # (as each capture does: else its release of cached blocks hides what they take)
         stream, before = torch.cuda.Stream(), torch.cuda.memory_reserved()
         for n in range(self.most, 0, -1):  # the largest first: the others reuse its memory
             for T in reversed(self.lengths):

@@ -4,7 +4,8 @@
 #     bash tests/gpu_ladder.sh tests+step    # GPU tests; bench.py step of this tree and of before/ (static shapes)
 #     bash tests/gpu_ladder.sh planner       # where the planner's rows go (tests/gpu_planner.py)
 #     bash tests/gpu_ladder.sh throughput [auto fp8]   # LongFlow at the largest batch that fits, validated
-#     bash tests/gpu_ladder.sh serve         # server.py under a low load, then a sweep of loads (and its PNG)
+#     bash tests/gpu_ladder.sh serve [saturated]  # server.py under a low load, then a sweep of loads (and its
+#                                            # PNG), then the saturated load's 520 requests on the same server
 #     bash tests/gpu_ladder.sh serve-profile # the same loads, the server's engine thread timed at every sync
 #                                            # (LOADS="120,16 60,4": some of them, requests,rate)
 #     bash tests/gpu_ladder.sh saturated     # 520 requests x 512 tokens at once: the server, then bench.py generate
@@ -62,6 +63,10 @@ serve)
   timeout 150 $serve --requests 120 --rate 4 16 64 inf --json $OUT/serve_sweep.json --plot $OUT/serve_sweep.png \
     >> $log 2>&1
   echo "serve sweep rc=$?" >> $log
+  if [ "${2:-}" = saturated ]; then  # the saturated load's server side too, on the same server
+    timeout 150 python bench.py serve --new-tokens 512 --prompt-len 128 --vocab 151936 --requests 520 \
+      --json $OUT/saturated_serve.json >> $log 2>&1; echo "serve saturated rc=$?" >> $log
+  fi
   stop_server ;;
 saturated)  # issue 27: served tokens/s at saturation against the engine's own on as many requests of the same size
   start_server python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000

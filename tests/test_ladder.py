@@ -277,15 +277,19 @@ def test_the_servers_compiled_prefill_compiles_before_the_first_request_and_neve
     assert all(0 < len(feed.ended[i]) <= 40 for i in range(len(PROMPTS)))
 
 
-def test_waiting_prompts_that_a_prefill_graph_holds_go_in_groups_of_its_size(engine, monkeypatch):
-    """Engine._group_size: prompts as long as a CUDA graph of the prefill takes (step.PrefillGraphs) are prefilled
-    as many at a time as the graphs hold, others (or where there are no graphs) in groups of about PREFILL_TOKENS."""
-    assert engine._group_size([128] * 20) == 16384 // 128
+def test_waiting_prompts_go_in_one_graph_when_one_holds_them_else_in_groups_the_compiled_prefill_takes(engine,
+                                                                                                     monkeypatch):
+    """Engine._group_size: the waiting prompts all at once when a CUDA graph of the prefill holds them
+    (step.PrefillGraphs: here up to 8 prompts of up to 512 tokens); else groups of about MLP_TOKENS padded tokens
+    with the compiled prefill (a group past it runs eagerly), PREFILL_TOKENS without it."""
+    assert engine._group_size([128] * 200) == 16384 // 128
+    monkeypatch.setattr(engine, "prefill_block", object())
+    assert engine._group_size([128] * 200) == 8192 // 128
     graphs = types.SimpleNamespace(most=8, length=lambda n, T: 512 if n <= 8 and T <= 512 else None)
     monkeypatch.setattr(engine, "prefill_graphs", graphs)
-    assert engine._group_size([128] * 20) == 8 and engine._group_size([5, 512]) == 8
-    assert engine._group_size([128, 4096]) == 16384 // 4096, "a long prompt among the first 8: no graph"
-    assert engine._group_size([100] * 8 + [4096]) == 8, "the long one is not in the group"
+    assert engine._group_size([128] * 8) == 8 and engine._group_size([5, 512]) == 2
+    assert engine._group_size([128] * 9) == 8192 // 128, "a burst: compiled groups"
+    assert engine._group_size([128, 4096]) == 8192 // 4096, "a prompt no graph holds"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
