@@ -58,10 +58,12 @@ throughput)
 serve)
   start_server python server.py --model /dev/shm/q8 --budget 3200 --max-waiting 1000
   serve="python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936"
-  timeout 60 $serve --requests 6 --rate 0.25 --json $OUT/serve_one.json >> $log 2>&1
-  echo "serve one rc=$?" >> $log
-  timeout 150 $serve --requests 120 --rate 4 16 64 inf --json $OUT/serve_sweep.json --plot $OUT/serve_sweep.png \
-    >> $log 2>&1
+  if [ -z "${RATES:-}" ]; then  # (RATES="64 inf": some of the sweep's loads, without the one user)
+    timeout 60 $serve --requests 6 --rate 0.25 --json $OUT/serve_one.json >> $log 2>&1
+    echo "serve one rc=$?" >> $log
+  fi
+  timeout 150 $serve --requests 120 --rate ${RATES:-4 16 64 inf} --json $OUT/serve_sweep.json \
+    --plot $OUT/serve_sweep.png >> $log 2>&1
   echo "serve sweep rc=$?" >> $log
   if [ "${2:-}" = saturated ]; then  # the saturated load's server side too, on the same server
     timeout 150 python bench.py serve --new-tokens 512 --prompt-len 128 --vocab 151936 --requests 520 \

@@ -18,7 +18,7 @@ ENGINE = ["generate.py", "step.py", "sampling.py", "memory.py", "model.py", "cac
 DECODE_STEP = [  # (file, the functions and classes read, in order)
     ("generate.py", ["Engine._run", "Engine._read_block", "Engine._keep_block"]),
     ("step.py", ["Stepper.__call__", "Stepper.step", "run_block", "advance", "push"]),
-    ("model.py", ["Transformer.forward", "Block.forward", "RMSNorm.forward", "Attention.forward", "rotate",
+    ("model.py", ["Transformer.forward", "Transformer.run", "Block.forward", "RMSNorm.forward", "Attention.forward", "rotate",
                   "MLP.forward"]),
     ("cache.py", ["KVCache.decode", "KVCache.as_stored", "KVCache.stored_tensors", "KVCache.attention"]),
     ("policies.py", ["LongFlow", "KernelPolicy.value_norm", "KernelPolicy.accumulate", "KernelPolicy.attend",
