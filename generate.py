@@ -434,8 +434,8 @@ class Engine:
     def _admit(self, rows: list[int], requests: Requests, taken: list[int]) -> list:
         """Prefill requests `taken` into cache `rows`, set those rows' decode state, and return each group's
         first outputs on the device (Admitted.take_records reads them): sampled tokens [n], or with teacher
-        forcing the first continuation tokens' (token, logprob, argmax) [n] each. Groups of about PREFILL_TOKENS
-        padded tokens at a time. No host sync: positions stay on the host for the model's order check."""
+        forcing the first continuation tokens' (token, logprob, argmax) [n] each, a group at a time (_group_size).
+        No host sync: positions stay on the host for the model's order check."""
         prompts, firsts = requests.prompts, []
         while rows:
             n = self._group_size([len(prompts[p]) for p in taken])
@@ -451,19 +451,21 @@ class Engine:
 
     def _group_size(self, lengths: list[int]) -> int:
         """How many of the waiting prompts (of these lengths) to prefill as one group: all of them when a CUDA graph
-        of the prefill holds them; else about PREFILL_TOKENS padded tokens, MLP_TOKENS with the compiled prefill
-        (the groups it takes). A burst is prefilled in large compiled groups, where the GPU's work outweighs the
-        launches, rather than in many graphs of a few prompts, each of them reading all the weights."""
-        graphs = self.prefill_graphs
-        if graphs and graphs.length(len(lengths), max(lengths)):
+        of the prefill holds them; else about PREFILL_TOKENS padded tokens, MLP_TOKENS where the compiled prefill
+        runs prompts that long (the groups it takes). A burst is prefilled in large compiled groups, where the
+        GPU's work outweighs the launches, rather than in many graphs of a few prompts, each reading all the
+        weights."""
+        graphs, T = self.prefill_graphs, max(lengths)
+        if graphs and graphs.length(len(lengths), T):
             return len(lengths)
-        return max(1, (MLP_TOKENS if self.prefill_block else PREFILL_TOKENS) // max(lengths))
+        compiled = self.prefill_block and self._prefill_layers(1, T) is self.prefill_block
+        return max(1, (MLP_TOKENS if compiled else PREFILL_TOKENS) // T)
 
     def _compile_prefill(self):
         """serve: the prefill's layers compiled (step.compiled_prefill), here, for one prompt and for two, so that no
         request waits while they compile (a few seconds with the compiler's cache warm), then, on CUDA, captured
         for small groups (step.PrefillGraphs). The prompts (16 tokens, or fewer than the slots) written into rows
-        0 and 1 are emptied again."""
+        0 and 1 are emptied again (and the graphs' into rows 0 to 7)."""
         if not self.compile:
             return
         self.prefill_block = self.prefill_block or compiled_prefill()

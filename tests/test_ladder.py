@@ -281,7 +281,8 @@ def test_waiting_prompts_go_in_one_graph_when_one_holds_them_else_in_groups_the_
                                                                                                      monkeypatch):
     """Engine._group_size: the waiting prompts all at once when a CUDA graph of the prefill holds them
     (step.PrefillGraphs: here up to 8 prompts of up to 512 tokens); else groups of about MLP_TOKENS padded tokens
-    with the compiled prefill (a group past it runs eagerly), PREFILL_TOKENS without it."""
+    where the compiled prefill runs them (a group past it runs eagerly), PREFILL_TOKENS where it does not."""
+    engine._prepare(2, 8192, resolve_policy("longflow", 8192), "snapkv", "sample")
     assert engine._group_size([128] * 200) == 16384 // 128
     monkeypatch.setattr(engine, "prefill_block", object())
     assert engine._group_size([128] * 200) == 8192 // 128
@@ -290,6 +291,9 @@ def test_waiting_prompts_go_in_one_graph_when_one_holds_them_else_in_groups_the_
     assert engine._group_size([128] * 8) == 8 and engine._group_size([5, 512]) == 2
     assert engine._group_size([128] * 9) == 8192 // 128, "a burst: compiled groups"
     assert engine._group_size([128, 4096]) == 8192 // 4096, "a prompt no graph holds"
+    monkeypatch.setattr(engine, "prefill_graphs", None)
+    engine._prepare(2, 8192, resolve_policy("h2o", 8192), "snapkv", "sample")
+    assert engine._group_size([128] * 200) == 16384 // 128, "H2O's prefill runs eagerly: groups as before"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
