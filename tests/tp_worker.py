@@ -10,6 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cli  # noqa: E402
 import model as model_module  # noqa: E402
 import parallel  # noqa: E402
 import tinyflow  # noqa: E402
@@ -102,5 +103,5 @@ def main(out: str, *checkpoints: str):
     parallel.stop()
 
 
-if __name__ == "__main__":
-    main(*sys.argv[1:])
+if __name__ == "__main__":  # ended as the commands end under torchrun (cli.run_as_command: gloo's shutdown abort)
+    cli.run_as_command(lambda: main(*sys.argv[1:]))
