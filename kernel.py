@@ -132,14 +132,13 @@ KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the s
 # Launch settings, each the fastest of sweeps on the H200 (measured: docs/performance.md, "Kernel launch
 # settings"): attention by selection, the finish kernel by split, attention over an FP8 cache
 ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
-FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=2)}
+FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=1)}
 FP8_ATTEND_LAUNCH = dict(num_warps=2, num_stages=3)
 
 
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr,  # q [B, H_q, D]; k, v [B, H_kv, S, D]; pos [B, H_kv, S]
-    vnorm_ptr,  # [B, H_kv, S] f32 ||v||_1 per slot (with VALUE_NORM)
     out_ptr,  # [B, H_q, D] final output (when not split)
     m_ptr, l_ptr, o_ptr,  # per-split softmax max, sum [B, H_q, n_split] and unnormalised out [.., D]
     logit_ptr, newest_ptr,  # for selection: logits [B, H_q, S] f32, newest position [B, H_kv, n_split] i32
@@ -148,11 +147,11 @@ def _attend_kernel(
     ks_ptr, vs_ptr,  # [B, H_kv, S] f32 per-slot scales, with FP8 (k, v then hold e4m3 bits as uint8)
     vtop_ptr,  # [B, H_kv] f32, with FP8: the largest value scale of each row, over all of its slots
     S, chunk,
-    sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s,
+    sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s,
     ss_b, ss_h, ss_s,  # the strides of both scales
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     SCALE: tl.constexpr,  # 1/sqrt(D); constexpr, as torch.compile would pass a float argument as fp64
-    SPLIT: tl.constexpr, SELECT: tl.constexpr, VALUE_NORM: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    SPLIT: tl.constexpr, SELECT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr,  # FP8 K/V; their products with 16-bit queries in fp16
 ):
     """One program: all G query heads of one KV head over one split of the slots (K/V read once)."""
@@ -169,7 +168,6 @@ def _attend_kernel(
     k_ptr += b * sk_b + kvh * sk_h
     v_ptr += b * sv_b + kvh * sv_h
     pos_ptr += b * sp_b + kvh * sp_h
-    vnorm_ptr += b * sn_b + kvh * sn_h
     ks_ptr += b * ss_b + kvh * ss_h
     vs_ptr += b * ss_b + kvh * ss_h
 
@@ -179,9 +177,9 @@ def _attend_kernel(
     end = tl.minimum(split * chunk + chunk, S)
     if HAS_LIMIT:  # a cache that fills in order: the slots past the last token cost nothing
         end = tl.minimum(end, tl.load(limit_ptr + b * H_KV + kvh))
-    m, l, acc, newest = _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, vnorm_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads,
-                                      row_ok, dims, split * chunk, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, sn_s, ss_s,
-                                      G_PAD, D, BLOCK_S, SCALE, SELECT, VALUE_NORM, FP8_KV, FP16_PRODUCTS)
+    m, l, acc, newest = _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok,
+                                      dims, split * chunk, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
+                                      G_PAD, D, BLOCK_S, SCALE, SELECT, FP8_KV, FP16_PRODUCTS)
     if FP8_KV:
         acc *= top
     tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
@@ -192,10 +190,10 @@ def _attend_kernel(
 
 
 @triton.jit
-def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, vnorm_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok, dims,
-                  first, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, sn_s, ss_s,
+def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok, dims,
+                  first, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, SCALE: tl.constexpr,
-                  SELECT: tl.constexpr, VALUE_NORM: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
+                  SELECT: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
     """The online softmax of the group's queries q_in [G_PAD, D] over slots first .. end - 1, BLOCK_S at a
     time: returns its max and sum [G_PAD], the unnormalised output [G_PAD, D], and the newest position
     seen [BLOCK_S]. When selecting, each block's logits are stored on the way (for the score pass)."""
@@ -217,8 +215,8 @@ def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, vnorm_ptr, ks_ptr, vs_ptr, top, l
         if FP8_KV:
             s *= k_scale[None, :]
         s = tl.where(p[None, :] >= 0, s, float("-inf"))  # empty slots: -inf, also in the stored logits
-        if SELECT:  # the logits for the score pass, stored while the block is in registers
-            _store_logits(s, logit_ptr, vnorm_ptr, heads, slots, row_ok, in_range, S, sn_s, VALUE_NORM)
+        if SELECT:  # the logits [B, H_q, S] for the score pass, stored while the block is in registers
+            tl.store(logit_ptr + heads[:, None] * S + slots[None, :], s, mask=row_ok[:, None] & in_range[None, :])
             newest = tl.maximum(newest, p)
         m_new = tl.maximum(m, tl.max(s, axis=1))  # the online softmax
         e = tl.exp(s - m_new[:, None])
@@ -262,17 +260,6 @@ def _from_fp8(bits, FP16_PRODUCTS: tl.constexpr):
 
 
 @triton.jit
-def _store_logits(s, logit_ptr, vnorm_ptr, heads, slots, row_ok, in_range, S, sn_s, VALUE_NORM: tl.constexpr):
-    """A block's logits s [G_PAD, BLOCK_S] into logits [B, H_q, S] for the score pass; with VALUE_NORM,
-    log ||v||_1 folded in: alpha * ||v||_1 = exp(s + log ||v||_1 - m) / l (a zero value scores 0)."""
-    saved = s
-    if VALUE_NORM:
-        vnorm = tl.load(vnorm_ptr + slots * sn_s, mask=in_range, other=1.0)  # [BLOCK_S]
-        saved += tl.where(vnorm > 0, tl.log(tl.maximum(vnorm, 1e-30)), NEG_BIG)[None, :]
-    tl.store(logit_ptr + heads[:, None] * S + slots[None, :], saved, mask=row_ok[:, None] & in_range[None, :])
-
-
-@triton.jit
 def _softmax_stats(m_ptr, l_ptr, heads, ok, n_split, NS_PAD: tl.constexpr):
     """Final softmax max and 1/sum of the heads in a 2D tile of flat indices into [B, H_q], from their
     per-split partials. A head with no valid slot (or a padding entry) gets 1/sum = 1: its terms are all 0."""
@@ -301,11 +288,11 @@ def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV: tl.cons
 
 
 @triton.jit
-def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, chunk,
-                 S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
+def _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, chunk,
+                 S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, sa_b, sa_h, sa_s,
                  H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr,
                  NS_PAD: tl.constexpr, CHUNK: tl.constexpr, PER_HEAD: tl.constexpr, PROTECT: tl.constexpr,
-                 HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr):
+                 HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr, VALUE_NORM: tl.constexpr):
     """Score slots chunk*CHUNK .. +CHUNK of row b and lower key[b, kv] to the chunk's best (score, slot);
     with PARTIAL (per layer), store the scores to part [B, S] instead, for the ranks to decide together."""
     kvs = tl.arange(0, KV_POW2)
@@ -317,8 +304,10 @@ def _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,
     ok = (kv < H_KV) & (slots < S)  # [KV, CHUNK]
     logit = tl.load(logit_ptr + heads[:, :, None] * S + slots[:, None, :],
                     mask=(ok[:, None, :] & (g < G)[:, :, None]), other=float("-inf"))  # [KV, G, CHUNK]
-    # alpha (* ||v||_1, folded into the logit by _attend_kernel), averaged over each KV head's query group
+    # alpha averaged over each KV head's query group (* ||v||_1: the same for the whole group)
     score = tl.sum(tl.exp(logit - m[:, :, None]) * inv_l[:, :, None], axis=1) / G  # [KV, CHUNK]
+    if VALUE_NORM:
+        score *= tl.load(vnorm_ptr + b * sn_b + kv * sn_h + slots * sn_s, mask=ok, other=0.0)
     empty = ok & (tl.max(logit, axis=1) == float("-inf"))  # empty slots have -inf logits, valid ones never
     if not PER_HEAD:  # one decision per layer: a single row, which broadcasting hands to every KV head
         score = tl.sum(score, axis=0, keep_dims=True) / H_KV  # [1, CHUNK], the mean over all heads
@@ -364,21 +353,22 @@ def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, acc_ptr, k
 @triton.jit
 def _finish_kernel(
     m_ptr, l_ptr, o_ptr, out_ptr,  # split partials as in _attend_kernel; out [B, H_q, D]
+    vnorm_ptr,  # [B, H_kv, S] f32 ||v||_1 per slot (with VALUE_NORM)
     logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,  # [B, H_q, S], [B, H_kv, n_split], pos, acc [B, H_kv, S]
     part_ptr,  # [B, S] f32 with PARTIAL: the per-layer scores themselves
-    S, n_split, n_chunks, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
+    S, n_split, n_chunks, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, sa_b, sa_h, sa_s,
     H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr,
     NS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, PER_HEAD: tl.constexpr,
-    PROTECT: tl.constexpr, HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr,
+    PROTECT: tl.constexpr, HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr, VALUE_NORM: tl.constexpr,
 ):
     """Program (b, c): for c < n_chunks, score chunk c of row b's slots (all KV heads); for the H_kv programs
     after those (when split), merge the split partials of KV head c - n_chunks into out. One launch for both."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if c < n_chunks:
-        _score_chunk(m_ptr, l_ptr, logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, c,
-                     S, n_split, n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s,
-                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, HAS_ACC, PARTIAL)
+        _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, c,
+                     S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, sa_b, sa_h, sa_s,
+                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, HAS_ACC, PARTIAL, VALUE_NORM)
     elif SPLIT:
         _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, c - n_chunks, n_split, H_KV, G, G_POW2, D, NS_PAD)
 
@@ -453,7 +443,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     m = torch.empty(B, H_q, n_split, **f32) if split or select else unused
     l = torch.empty(B, H_q, n_split, **f32) if split or select else unused
     o = torch.empty(B, H_q, n_split, D, **f32) if split else unused
-    logits = torch.empty(B, H_q, S, **f32) if select else unused  # (+ log ||v||_1); -inf for empty slots
+    logits = torch.empty(B, H_q, S, **f32) if select else unused  # -inf for empty slots
     newest = torch.empty(B, H_kv, n_split, device=q.device, dtype=torch.int32) if select else unused
     key = torch.empty(B, H_kv, device=q.device, dtype=torch.int64)  # packed (score, slot), or -1
     part = torch.empty(B, S, **f32) if partial else unused
@@ -462,13 +452,13 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     if value_norm and vnorm is None:  # an extra pass over V: the cache keeps ||v||_1 to avoid it
         vnorm = l1_norm(dequantize(v, v_scale) if fp8 else v)  # [B, H_kv, S]
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
-        q, k, v, pos, vnorm if value_norm else unused, out, m, l, o, logits, newest, key,
+        q, k, v, pos, out, m, l, o, logits, newest, key,
         unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused,
         v_scale.amax(-1).contiguous() if fp8 else unused, S, chunk,  # each row's largest value scale [B, H_kv]
-        *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(vnorm.stride() if value_norm else (0,) * 3),
+        *q.stride(), *k.stride(), *v.stride(), *pos.stride(),
         *(k_scale.stride() if fp8 else (0,) * 3),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
-        SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, VALUE_NORM=value_norm, HAS_LIMIT=limit is not None,
+        SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, HAS_LIMIT=limit is not None,
         FP8_KV=fp8, FP16_PRODUCTS=fp8 and q.dtype in (torch.bfloat16, torch.float16),
         **(FP8_ATTEND_LAUNCH if fp8 else ATTEND_LAUNCH[select]))
 
@@ -476,11 +466,13 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         CHUNK = _chunk_size(B, S, q.device)
         n_chunks = triton.cdiv(S, CHUNK) if select else 0
         torch.library.wrap_triton(_finish_kernel)[(B, n_chunks + (H_kv if split else 0))](
-            m, l, o, out, logits, newest, pos, unused if acc is None else acc, key, part,
-            S, n_split, n_chunks, n_sink, window, *pos.stride(), *(acc.stride() if acc is not None else (0,) * 3),
+            m, l, o, out, vnorm if value_norm else unused, logits, newest, pos, unused if acc is None else acc, key,
+            part, S, n_split, n_chunks, n_sink, window, *pos.stride(), *(vnorm.stride() if value_norm else (0,) * 3),
+            *(acc.stride() if acc is not None else (0,) * 3),
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
-            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, PARTIAL=partial, **FINISH_LAUNCH[split])
+            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, PARTIAL=partial, VALUE_NORM=value_norm,
+            **FINISH_LAUNCH[split])
     if partial:
         return out, part
     return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
