@@ -13,6 +13,8 @@
 #                                            # its tests on the GPU, bench.py step with bf16 and FP8 weights
 #     bash tests/gpu_ladder.sh fp8-check     # the activations' quantization and the step with FP8 weights, again
 #     bash tests/gpu_ladder.sh fp8-run       # a 128k prefill and throughput, FP8 weights and cache, then bf16
+#     bash tests/gpu_ladder.sh select        # after a change to the fused kernel: its tests on the GPU, bench.py
+#                                            # kernel, and the step at 256 / 507 rows of FP8 weights and cache
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 # serve needs starlette and uvicorn, which the GPU machine lacks: their wheels in .whl/ (README of the device tool).
@@ -104,8 +106,13 @@ for M in (1, 4, 64): x = torch.randn(M, 4096, device='cuda', dtype=torch.bfloat1
 print(f'_quantize_kernel, {M} x 4096: {bench.graph_time(lambda: fp8._quantized(x)) * 1e6:.2f} us')" >> $log 2>&1
   timeout 100 python bench.py step --shape Qwen3-8B --batch 1 4 --policy longflow --weights fp8 \
     --json $OUT/step_check.json >> $log 2>&1; echo "step fp8 rc=$?" >> $log ;;
-fp8-run)  # FP8 first; each run within what is left of the call's 570 s
-  end=$((SECONDS + 570))
+select)
+  timeout 240 python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1; echo "tests rc=$?" >> $log
+  timeout 120 python bench.py kernel --batch 64 256 --json $OUT/kernel.json >> $log 2>&1; echo "kernel rc=$?" >> $log
+  timeout 200 python bench.py step --shape Qwen3-8B --batch 256 507 --policy longflow --kv-dtype fp8 --weights fp8 \
+    --profile --json $OUT/step_507.json > $OUT/step_507.txt 2>&1; echo "step rc=$?" >> $log ;;
+fp8-run)  # FP8 first; each run within what is left of the call's 570 s (BUDGET_S: another share)
+  end=$((SECONDS + ${BUDGET_S:-570}))
   left() { echo $((end - SECONDS)); }
   for run in "fp8 fp8" "auto auto"; do
     set -- $run
