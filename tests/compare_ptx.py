@@ -76,7 +76,9 @@ def specialised(fn, kernel: dict) -> tuple[dict, dict, dict]:
     """Signature, constants and attributes as Triton specialises the launch (runtime/jit.py, and inductor's
     config_of): an integer 1 becomes a constant, pointers and multiples of 16 get tt.divisibility 16."""
     ints = int_values(kernel)
-    signature, constants, attrs = {}, dict(CONSTANTS, **kernel), {}
+    signature, attrs = {}, {}
+    constants = {name: x for name, x in dict(CONSTANTS, **kernel).items() if name in fn.arg_names}  # (a flag
+    # a revision's kernel does not take, such as VALUE_NORM since ||v||_1 moved to the finish kernel, is left out)
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
             signature[name] = "constexpr"
