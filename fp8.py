@@ -320,7 +320,8 @@ def _quantized(x, rows_multiple: int = 1):
     a = torch.empty(M_pad, KB * BLOCK, device=x.device, dtype=FP8)
     a_scales = torch.empty(KB, M_pad, device=x.device, dtype=torch.float32)
     block_m = min(8, triton.next_power_of_2(M_pad))  # no more rows than there are (a block of 64, nearly all
-    # masked, was slower at a few rows); 8 rows a program, the fastest at 507 rows (docs/performance.md, "FP8 weights")
+    # masked, was slower at a few rows); 8 a program, the fastest at 507 rows (docs/performance.md, "The FP8 kernel's
+    # selection, taken apart")
     torch.library.wrap_triton(_quantize_kernel)[(triton.cdiv(M_pad, block_m), KB)](x, a, a_scales, M, M_pad, K,
                                                                                    x.stride(0), BLOCK_M=block_m)
     return a, a_scales

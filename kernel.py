@@ -130,9 +130,8 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 NEG_BIG = tl.constexpr(-1e30)
 KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
 # Launch settings, each the fastest of sweeps on the H200 (measured: docs/performance.md, "Kernel launch
-# settings"): attention by selection, the finish kernel by split, attention over an FP8 cache
+# settings"): attention by selection, attention over an FP8 cache, the finish kernel (_finish_warps)
 ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
-FINISH_LAUNCH = {True: dict(num_warps=4), False: dict(num_warps=1)}
 FP8_ATTEND_LAUNCH = dict(num_warps=2, num_stages=3)
 
 
@@ -384,6 +383,13 @@ def _split_count(n_programs: int, n_blocks: int, device: torch.device) -> int:
     return max(1, min(n_blocks, triton.cdiv(2 * _sm_count(device), n_programs)))
 
 
+def _finish_warps(split: bool, H_kv: int, G: int, chunk: int) -> int:
+    """4 warps when the finish kernel also merges splits; scoring alone, a warp per 4,096 logits of a program's
+    tile (Qwen3-8B's 8 x 4 x 128: one warp, the fastest), so that larger query groups get more warps, not spills."""
+    tile = triton.next_power_of_2(H_kv) * triton.next_power_of_2(G) * chunk
+    return 4 if split else max(1, tile // 4096)
+
+
 def _chunk_size(B: int, S: int, device: torch.device) -> int:
     """Slots per scoring program: 128, halved (down to 32) until the B x chunks grid covers two waves."""
     chunk = 128
@@ -455,8 +461,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         q, k, v, pos, out, m, l, o, logits, newest, key,
         unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused,
         v_scale.amax(-1).contiguous() if fp8 else unused, S, chunk,  # each row's largest value scale [B, H_kv]
-        *q.stride(), *k.stride(), *v.stride(), *pos.stride(),
-        *(k_scale.stride() if fp8 else (0,) * 3),
+        *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(k_scale.stride() if fp8 else (0,) * 3),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
         SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, HAS_LIMIT=limit is not None,
         FP8_KV=fp8, FP16_PRODUCTS=fp8 and q.dtype in (torch.bfloat16, torch.float16),
@@ -472,7 +477,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
             PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, PARTIAL=partial, VALUE_NORM=value_norm,
-            **FINISH_LAUNCH[split])
+            num_warps=_finish_warps(split, H_kv, G, CHUNK))
     if partial:
         return out, part
     return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key

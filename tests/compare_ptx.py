@@ -10,7 +10,7 @@ their dtypes (its fp32 stand-in for a buffer a configuration does not use), and 
 Triton gives them (its JIT, and inductor for the compiled step, alike): every pointer 16-byte aligned (as torch
 allocates), each integer argument equal to 1 (the innermost strides) a constant, the others marked divisible
 by 16 where they are (every one, at SLOTS = 3200).
-What it does not: other shapes (rows of slots not a multiple of 16 give pos, ||v||_1 and the scales strides
+What it does not: other shapes (rows of slots not a multiple of 16 give pos's and the scales' strides
 that are not, so other code), views with unaligned offsets, _finish_kernel, other GPUs, and what ptxas makes
 of the PTX. Identical instructions mean identical speed in these launches; different ones need the GPU
 (tests/gpu_compare.sh).
