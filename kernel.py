@@ -128,6 +128,7 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 # Running softmax max starts at a large finite value rather than -inf, so a block or split with no
 # valid slot gives exp(-inf - NEG_BIG) = 0 and exp(NEG_BIG - NEG_BIG) = 1, never exp(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1e30)
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' logits are in powers of 2 (exp2: one instruction)
 KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
 # Launch settings, each the fastest of sweeps on the H200 (measured: docs/performance.md, "Kernel launch
 # settings"): attention by selection, attention over an FP8 cache, the finish kernel (_finish_warps)
@@ -210,16 +211,17 @@ def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, h
             kb, vb = _from_fp8(kb, FP16_PRODUCTS), _from_fp8(vb, FP16_PRODUCTS)
             k_scale = tl.load(ks_ptr + slots * ss_s, mask=in_range, other=0.0)  # [BLOCK_S]
             v_scale = tl.load(vs_ptr + slots * ss_s, mask=in_range, other=0.0)
-        s = tl.dot(q_in, tl.trans(kb), input_precision="ieee") * SCALE  # [G_PAD, BLOCK_S] fp32
-        if FP8_KV:
-            s *= k_scale[None, :]
-        s = tl.where(p[None, :] >= 0, s, float("-inf"))  # empty slots: -inf, also in the stored logits
+        # a logit is one multiply-add: by 1/sqrt(D) * log2(e) (times the key's scale with FP8), plus -inf for
+        # an empty slot (also in the stored logits)
+        factor = k_scale * (SCALE * LOG2E) if FP8_KV else tl.full([BLOCK_S], SCALE * LOG2E, tl.float32)
+        bias = tl.where(p >= 0, 0.0, float("-inf"))  # [BLOCK_S]
+        s = tl.dot(q_in, tl.trans(kb), input_precision="ieee") * factor[None, :] + bias[None, :]  # [G_PAD, BLOCK_S]
         if SELECT:  # the logits [B, H_q, S] for the score pass, stored while the block is in registers
             tl.store(logit_ptr + heads[:, None] * S + slots[None, :], s, mask=row_ok[:, None] & in_range[None, :])
             newest = tl.maximum(newest, p)
         m_new = tl.maximum(m, tl.max(s, axis=1))  # the online softmax
-        e = tl.exp(s - m_new[:, None])
-        corr = tl.exp(m - m_new)
+        e = tl.exp2(s - m_new[:, None])
+        corr = tl.exp2(m - m_new)
         l = l * corr + tl.sum(e, axis=1)
         if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the row's largest
             # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V
@@ -267,7 +269,7 @@ def _softmax_stats(m_ptr, l_ptr, heads, ok, n_split, NS_PAD: tl.constexpr):
     mask = ok[:, :, None] & (sp < n_split)
     m_part = tl.load(m_ptr + ptrs, mask=mask, other=NEG_BIG)
     m = tl.max(m_part, axis=2)
-    l = tl.sum(tl.load(l_ptr + ptrs, mask=mask, other=0.0) * tl.exp(m_part - m[:, :, None]), axis=2)
+    l = tl.sum(tl.load(l_ptr + ptrs, mask=mask, other=0.0) * tl.exp2(m_part - m[:, :, None]), axis=2)
     return m, 1.0 / tl.where(l > 0, l, 1.0)
 
 
@@ -281,7 +283,7 @@ def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV: tl.cons
     dims = tl.arange(0, D)[None, :]
     out = tl.zeros([G_POW2, D], tl.float32)
     for split in range(n_split):
-        w = tl.exp(tl.load(m_ptr + heads * n_split + split, mask=g < G, other=NEG_BIG) - m) * inv_l
+        w = tl.exp2(tl.load(m_ptr + heads * n_split + split, mask=g < G, other=NEG_BIG) - m) * inv_l
         out += w * tl.load(o_ptr + (heads * n_split + split) * D + dims, mask=g < G, other=0.0)
     tl.store(out_ptr + heads * D + dims, out.to(out_ptr.dtype.element_ty), mask=g < G)
 
@@ -304,7 +306,7 @@ def _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, acc_pt
     logit = tl.load(logit_ptr + heads[:, :, None] * S + slots[:, None, :],
                     mask=(ok[:, None, :] & (g < G)[:, :, None]), other=float("-inf"))  # [KV, G, CHUNK]
     # alpha averaged over each KV head's query group (* ||v||_1: the same for the whole group)
-    score = tl.sum(tl.exp(logit - m[:, :, None]) * inv_l[:, :, None], axis=1) / G  # [KV, CHUNK]
+    score = tl.sum(tl.exp2(logit - m[:, :, None]) * inv_l[:, :, None], axis=1) / G  # [KV, CHUNK]
     if VALUE_NORM:
         score *= tl.load(vnorm_ptr + b * sn_b + kv * sn_h + slots * sn_s, mask=ok, other=0.0)
     empty = ok & (tl.max(logit, axis=1) == float("-inf"))  # empty slots have -inf logits, valid ones never
