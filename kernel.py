@@ -126,9 +126,9 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 
 
 # Running softmax max starts at a large finite value rather than -inf, so a block or split with no
-# valid slot gives exp(-inf - NEG_BIG) = 0 and exp(NEG_BIG - NEG_BIG) = 1, never exp(-inf + inf) = NaN.
+# valid slot gives exp2(-inf - NEG_BIG) = 0 and exp2(NEG_BIG - NEG_BIG) = 1, never exp2(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1e30)
-LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' logits are in powers of 2 (exp2: one instruction)
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' logits are in base 2 (times log2(e)): exp2 is one instruction
 KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the start of the atomic minimum
 # Launch settings, each the fastest of sweeps on the H200 (measured: docs/performance.md, "Kernel launch
 # settings"): attention by selection, attention over an FP8 cache, the finish kernel (_finish_warps)
@@ -451,7 +451,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     m = torch.empty(B, H_q, n_split, **f32) if split or select else unused
     l = torch.empty(B, H_q, n_split, **f32) if split or select else unused
     o = torch.empty(B, H_q, n_split, D, **f32) if split else unused
-    logits = torch.empty(B, H_q, S, **f32) if select else unused  # -inf for empty slots
+    logits = torch.empty(B, H_q, S, **f32) if select else unused  # base 2 (x log2(e)); -inf for empty slots
     newest = torch.empty(B, H_kv, n_split, device=q.device, dtype=torch.int32) if select else unused
     key = torch.empty(B, H_kv, device=q.device, dtype=torch.int64)  # packed (score, slot), or -1
     part = torch.empty(B, S, **f32) if partial else unused
