@@ -11,7 +11,7 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
   argument          shape, dtype              what it is
   q                 [B, H_q, D]               this step's queries
   k, v              [B, H_kv, S, D]           the slots' keys (after RoPE) and values; finite in empty slots
-                                              (the cache zero-fills them)
+                                              too (the cache's: zeros, or an earlier sequence's)
   pos               [B, H_kv, S] int          the position each slot holds, -1 when empty
   per_head          bool                      one decision per KV head (mean over its query group), else one
                                               per layer (mean over every query head; evict then holds the
@@ -28,7 +28,8 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
                                               filled in order)
   vnorm             [B, H_kv, S] fp32 | None  ||v||_1 of every slot, when the caller keeps it (else computed)
   k_scale, v_scale  [B, H_kv, S] fp32 | None  an FP8 cache: k, v are the uint8 bits of e4m3 values
-                                              (quantize), attended and scored as the values they hold
+                                              (quantize), attended and scored as the values they hold;
+                                              finite in empty slots too
   partial           bool                      return the score itself in place of evict, before protection
                                               and empty slots: [B, S] per layer (the mean over these heads,
                                               for tensor-parallel ranks that decide together), [B, H_kv, S]
@@ -276,7 +277,7 @@ def _softmax_stats(m_ptr, l_ptr, heads, ok, n_split, NS_PAD: tl.constexpr):
 @triton.jit
 def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV: tl.constexpr, G: tl.constexpr,
                     G_POW2: tl.constexpr, D: tl.constexpr, NS_PAD: tl.constexpr):
-    """out = sum over splits of exp(m_split - m) * o_split / l, for the G query heads of KV head kvh."""
+    """out = sum over splits of exp2(m_split - m) * o_split / l, for the G query heads of KV head kvh."""
     g = tl.arange(0, G_POW2)[:, None]
     heads = (b * H_KV + kvh) * G + g  # [G_POW2, 1] flat index into [B, H_q]
     m, inv_l = _softmax_stats(m_ptr, l_ptr, heads, g < G, n_split, NS_PAD)  # [G_POW2, 1]

@@ -107,10 +107,12 @@ def test_two_ranks_compute_what_one_process_computes(runs, tp_checkpoints, arch)
         # bytes held than read)
         assert got["read"] == got["params"] < want["params"] or weights(arch) == "fp8" and got["params"] < want["params"]
         for a, b in zip(got["logprobs"], want["logprobs"]):
-            # float32 rounding only: the ranks add their halves of each product after an all-reduce, one process
-            # in another order, and the order a matmul takes depends on the CPU (one machine differed by 3.1e-5
-            # on a log-probability of -7.6 with FP8 weights, where CI's stayed within 1e-5)
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+            # float32 rounding: the ranks add their halves of each product after an all-reduce, one process in
+            # another order (measured: under 2e-6). FP8 weights also quantize the activations to e4m3 (as the
+            # tensor cores read them), where a rounding difference can tip a value into the next e4m3 step: up
+            # to 3.2e-5 on one machine, which its CPU's matmul order decides
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4 if "fp8" in arch else 1e-5,
+                                       rtol=0)
         assert got["tokens"] == want["tokens"], "full cache, greedy"
         for run, w in want["runs"].items():
             assert got["runs"][run]["tokens"] == w["tokens"], f"{run}: tokens"
