@@ -4,6 +4,8 @@ instructions compared (debug line records and labels aside).
 
     python tests/compare_ptx.py REV        # e.g. HEAD~1; needs triton with its CUDA backend (the pip wheel)
 
+It also counts the instructions of the loop over slots in each (loop_length).
+
 What it compiles: each configuration of CONFIGS with kernel.py's launch options, at Qwen3-8B's shapes (8 KV
 heads of 4 query heads, head_dim 128) and SLOTS slots a row, from the arguments _decode_attention_op passes:
 their dtypes (its fp32 stand-in for a buffer a configuration does not use), and the launch-time specialisation
@@ -102,6 +104,19 @@ def instructions(module, flags) -> list[str]:
     return [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp)", line)]
 
 
+def loop_length(lines: list[str]) -> int:
+    """Instructions in the kernel's longest loop (the one over the slots: per thread, a block of slots), from its
+    label to the last branch back to it: a hint of a change's speed before the GPU, not a measure of it
+    (docs/performance.md, "Then, fewer instructions a logit")."""
+    labels = {line.split(":")[0]: i for i, line in enumerate(lines) if re.match(r"\$L__BB\w+:", line)}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\w+);", line)) and labels.get(m.group(1), i) < i]
+    if not loops:
+        return 0
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    return sum(1 for line in lines[first + 1:last + 1] if re.match(r"\s*[@a-z]", line))  # no label, brace, .directive
+
+
 def main(rev: str):
     before = subprocess.run(["git", "show", f"{rev}:kernel.py"], cwd=ROOT, capture_output=True, text=True, check=True)
     old, new = kernel_module(before.stdout, "kernel_before"), kernel_module((ROOT / "kernel.py").read_text(), "kernel_now")
@@ -110,7 +125,8 @@ def main(rev: str):
         a, b = instructions(old, flags), instructions(new, flags)
         differing = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
         same &= differing == 0
-        print(f"{name}: {len(a)} -> {len(b)} PTX lines, {'identical' if differing == 0 else f'{differing} differ'}")
+        print(f"{name}: {len(a)} -> {len(b)} PTX lines, {'identical' if differing == 0 else f'{differing} differ'}; "
+              f"the loop over slots {loop_length(a)} -> {loop_length(b)} instructions")
     sys.exit(0 if same else 1)
 
 
