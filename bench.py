@@ -328,6 +328,7 @@ def fill_cache(cache: KVCache, filled: int):
             layer.v.random_(0, 0x7F)
             layer.k_scale.fill_(1 / 448)
             layer.v_scale.fill_(1 / 448)
+            layer.v_top.fill_(1 / 448)
         else:
             layer.k.normal_()
             layer.v.normal_()

@@ -28,12 +28,14 @@ class Layer:
     v: torch.Tensor  # [B, H_kv, S, D]
     k_scale: torch.Tensor  # [B, H_kv, S] fp32 with an FP8 cache (a key is k * k_scale), else a stand-in
     v_scale: torch.Tensor  # [B, H_kv, S] fp32 likewise
+    v_top: torch.Tensor  # [B, H_kv] fp32 with an FP8 cache: the largest value scale written since the row's prompt,
+    # so never below a held one (kernel.decode_attention's v_top: a bound it would otherwise reduce every step)
     pos: torch.Tensor  # [B, H_kv, S] int32 position of the token in each slot, -1 = empty
     next_slot: torch.Tensor  # [B, H_kv] int64 where the next token goes
     kept: dict[str, torch.Tensor]  # what the policy keeps, by name (Policy.keeps)
     index: torch.Tensor  # [] int64 the layer number (the random policy hashes it)
     heads: torch.Tensor  # [H_kv] int64 the KV heads' numbers in the whole model (tensor parallel: this rank's)
-    ROWS: ClassVar = ("k", "v", "k_scale", "v_scale", "pos", "next_slot", "kept")  # per row (step.first_rows)
+    ROWS: ClassVar = ("k", "v", "k_scale", "v_scale", "v_top", "pos", "next_slot", "kept")  # per row (step.first_rows)
 
 
 KV_DTYPES = {"auto": None, "fp8": kernel.FP8}  # what the cache stores K and V in (auto: the model's dtype)
@@ -60,11 +62,11 @@ class KVCache:
         # separate tensors per layer, not slices of [L, ...] tensors: the compiled step then updates each in
         # place, where a mutated slice of a larger input would be copied whole, every layer, every step
         shape = (batch, cfg.n_kv_heads, slots)
-        scale = lambda: torch.zeros(shape if self.fp8 else (1, 1, 1), device=device)  # a stand-in if unused
+        scale = lambda *dims: torch.zeros(dims if self.fp8 else (1,) * len(dims), device=device)  # a stand-in if unused
         stored = torch.uint8 if self.fp8 else dtype
         return Layer(k=torch.zeros(*shape, cfg.head_dim, device=device, dtype=stored),
                      v=torch.zeros(*shape, cfg.head_dim, device=device, dtype=stored),
-                     k_scale=scale(), v_scale=scale(),
+                     k_scale=scale(*shape), v_scale=scale(*shape), v_top=scale(*shape[:2]),
                      pos=torch.full(shape, -1, device=device, dtype=torch.int32),
                      next_slot=torch.zeros(shape[:2], device=device, dtype=torch.int64),
                      kept={name: kept.alloc(cfg, batch, slots, device, dtype)
@@ -75,12 +77,13 @@ class KVCache:
     @staticmethod
     def bytes_needed(cfg, batch: int, slots: int, dtype, policy: Policy | None = None,
                      kv_dtype: torch.dtype | None = None) -> int:
-        """K and V (in kv_dtype, default dtype; FP8 with its two fp32 scales), the int32 position and what
-        the policy keeps (policy None: the most any policy keeps, for sizing a batch)."""
-        per_slot = 2 * cfg.head_dim * (kv_dtype or dtype).itemsize + 4 + 8 * (kv_dtype == kernel.FP8)
+        """K and V (in kv_dtype, default dtype; FP8 with its two fp32 scales a slot and v_top a KV head), the int32
+        position and what the policy keeps (policy None: the most any policy keeps, for sizing a batch)."""
+        fp8 = kv_dtype == kernel.FP8
+        per_slot = 2 * cfg.head_dim * (kv_dtype or dtype).itemsize + 4 + 8 * fp8
         kept = lambda p: sum(k.bytes_per_row(cfg, slots, dtype) for k in p.keeps.values())
         kept_bytes = kept(policy) if policy is not None else max(map(kept, POLICIES.values()))
-        return cfg.n_layers * batch * (cfg.n_kv_heads * slots * per_slot + kept_bytes)
+        return cfg.n_layers * batch * (cfg.n_kv_heads * (slots * per_slot + 4 * fp8) + kept_bytes)
 
     def reset(self, rows=None):
         """Empty the cache, or only rows `rows` [n] (a server's free rows, which keep decoding junk). Rows are
@@ -104,6 +107,8 @@ class KVCache:
             kept.write(c.kept[name], self, c, at, q, k, v, positions)
         for t, x in zip(self.stored_tensors(c), stored):
             t.index_put_(at, x)
+        if self.fp8:  # the row's bound on its value scales: stored[-1], the new ones [B, H_kv]
+            c.v_top.copy_(torch.maximum(c.v_top, stored[-1]))
         c.pos.index_put_(at, positions.int()[:, None].expand(B, H))
         out, evict = p.attend(self, c, q, positions)
         c.next_slot.copy_(evict)
@@ -116,7 +121,7 @@ class KVCache:
         return attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window, select=select,
                       value_norm=value_norm, acc=acc, limit=limit, vnorm=vnorm,
                       k_scale=c.k_scale if self.fp8 else None, v_scale=c.v_scale if self.fp8 else None,
-                      partial=partial)
+                      partial=partial, v_top=c.v_top if self.fp8 else None)
 
     def lowest(self, score, c: Layer):
         """The slot the policy's score [B, H_kv or 1, S] ranks lowest: per KV head, or per layer on the mean
@@ -172,13 +177,13 @@ class KVCache:
             seed = seed.gather(2, keep) if seed is not None else None
             T = S - 1
         c.pos.index_fill_(0, rows, -1)  # a reused row forgets its previous sequence
-        if self.fp8:  # the kernel divides by the row's largest value scale: not an old sequence's
-            c.v_scale.index_fill_(0, rows, 0.0)
         # the prompt attended, and was compressed, at full precision; from here on the policy sees the values
         # the cache holds
         stored, k, v = self.as_stored(k, v)
         for t, x in zip(self.stored_tensors(c), stored):
             t[rows, :, :T] = x
+        if self.fp8:  # the prompt's largest value scale (stored[-1] [R, H_kv, T]); an earlier sequence's, still in
+            c.v_top[rows] = stored[-1].amax(-1)  # the slots past T, are never attended
         c.pos[rows, :, :T] = pos.int()
         for name, kept in p.keeps.items():
             kept.start(c.kept[name], rows, q, k, v, pos, positions, seed)

@@ -30,6 +30,10 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
   k_scale, v_scale  [B, H_kv, S] fp32 | None  an FP8 cache: k, v are the uint8 bits of e4m3 values
                                               (quantize), attended and scored as the values they hold;
                                               finite in empty slots too
+  v_top             [B, H_kv] fp32 | None     with FP8, an upper bound of each row's value scales (the cache
+                                              keeps the largest written since the row's prompt); None: their
+                                              maximum, computed. The Triton path divides its fp16 weights by it
+                                              (_attend_slots); it changes their rounding, not the result
   partial           bool                      return the score itself in place of evict, before protection
                                               and empty slots: [B, S] per layer (the mean over these heads,
                                               for tensor-parallel ranks that decide together), [B, H_kv, S]
@@ -90,9 +94,9 @@ def dequantize(bits, scale, dtype=torch.float32):
 
 
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                         acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False):
+                         acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin. The
-    arguments: the table at the top of this file."""
+    arguments: the table at the top of this file (v_top is the kernel's; exact arithmetic needs none)."""
     if partial and (acc is not None or not select):
         raise ValueError("partial scores are this step's (no acc) and need select")
     B, H_q, D = q.shape
@@ -146,7 +150,7 @@ def _attend_kernel(
     key_ptr,  # [B, H_kv] i64: set here to the start of the finish kernel's atomic minimum, or -1 (no selection)
     limit_ptr,  # [B, H_kv] i64, with HAS_LIMIT: slots from limit on are empty and not even read
     ks_ptr, vs_ptr,  # [B, H_kv, S] f32 per-slot scales, with FP8 (k, v then hold e4m3 bits as uint8)
-    vtop_ptr,  # [B, H_kv] f32, with FP8: the largest value scale of each row, over all of its slots
+    vtop_ptr,  # [B, H_kv] f32, with FP8: an upper bound of each row's value scales (v_top)
     S, chunk,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s,
     ss_b, ss_h, ss_s,  # the strides of both scales
@@ -172,7 +176,7 @@ def _attend_kernel(
     ks_ptr += b * ss_b + kvh * ss_h
     vs_ptr += b * ss_b + kvh * ss_h
 
-    top = 1.0  # with FP8: the largest value scale of the row (the weights are divided by it, below)
+    top = 1.0  # with FP8: the row's value scales' upper bound (the weights are divided by it, below)
     if FP8_KV:
         top = tl.maximum(tl.load(vtop_ptr + b * H_KV + kvh), 1e-30)
     end = tl.minimum(split * chunk + chunk, S)
@@ -224,8 +228,8 @@ def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, h
         e = tl.exp2(s - m_new[:, None])
         corr = tl.exp2(m - m_new)
         l = l * corr + tl.sum(e, axis=1)
-        if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top the row's largest
-            # scale: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V
+        if FP8_KV:  # sum_i e_i (scale_i v8_i) = top * sum_i (e_i scale_i / top) v8_i, top >= every scale of the
+            # row: the weights stay within [0, 1], where fp16 keeps its precision whatever the size of V
             e = e * (v_scale / top)[None, :]
         acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
@@ -415,7 +419,7 @@ def _as_torch_op(fn):
 
 
 def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc, limit, vnorm, k_scale, v_scale,
-                   partial):
+                   partial, v_top):
     """The op's results as empty tensors of their shapes: out [B, H_q, D], and the partial scores [B, S] fp32 or
     the chosen slot [B, H_kv] int64."""
     B, H_kv, S = pos.shape
@@ -423,11 +427,22 @@ def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, a
     return q.new_empty(q.shape), second
 
 
+def _unless_kept(v, v_scale, vnorm, v_top, value_norm: bool):
+    """||v||_1 [B, H_kv, S] when the score needs it, and with FP8 the value scales' bound [B, H_kv]: each computed
+    here (another pass over V, or over the scales) only where the caller, as the cache does, gives none."""
+    fp8 = v_scale is not None
+    if value_norm and vnorm is None:
+        vnorm = l1_norm(dequantize(v, v_scale) if fp8 else v)
+    if fp8 and v_top is None:
+        v_top = v_scale.amax(-1)
+    return vnorm, v_top
+
+
 @_as_torch_op
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
                          window: int, select: bool, value_norm: bool, acc: Optional[Tensor],
                          limit: Optional[Tensor], vnorm: Optional[Tensor], k_scale: Optional[Tensor],
-                         v_scale: Optional[Tensor], partial: bool) -> tuple[Tensor, Tensor]:
+                         v_scale: Optional[Tensor], partial: bool, v_top: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which torch.compile
     # functionalises like any mutated input; None simply means nothing is mutated.
     # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
@@ -458,12 +473,11 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     part = torch.empty(B, S, **f32) if partial else unused
     value_norm = select and value_norm
     fp8 = k_scale is not None
-    if value_norm and vnorm is None:  # an extra pass over V: the cache keeps ||v||_1 to avoid it
-        vnorm = l1_norm(dequantize(v, v_scale) if fp8 else v)  # [B, H_kv, S]
+    vnorm, v_top = _unless_kept(v, v_scale, vnorm, v_top, value_norm)
     torch.library.wrap_triton(_attend_kernel)[(B * H_kv, n_split)](
         q, k, v, pos, out, m, l, o, logits, newest, key,
         unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused,
-        v_scale.amax(-1).contiguous() if fp8 else unused, S, chunk,  # each row's largest value scale [B, H_kv]
+        v_top.contiguous() if fp8 else unused, S, chunk,
         *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(k_scale.stride() if fp8 else (0,) * 3),
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
         SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, HAS_LIMIT=limit is not None,
@@ -505,7 +519,7 @@ def check_support(device: torch.device, head_dim: int, kv_dtype=None):
 
 
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                     acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False):
+                     acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
     if not HAS_TRITON:
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
@@ -518,4 +532,4 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
         raise ValueError("the kernel's partial scores are per layer (per_head=False), of this step (no acc), and "
                          "need select")
     return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
-                                               limit, vnorm, k_scale, v_scale, partial)
+                                               limit, vnorm, k_scale, v_scale, partial, v_top)

@@ -528,9 +528,9 @@ def test_fp8_key_sum_stays_the_sum_of_the_stored_unit_keys_in_a_bf16_model(check
         torch.testing.assert_close(layer.kept["key_sum"], unit_key_sum(stored, layer.pos), atol=1e-4, rtol=0)
 
 
-def test_a_reused_fp8_row_keeps_no_value_scale_of_its_previous_sequence(qwen3):
-    """The kernel divides the softmax weights by the row's largest value scale over all of its slots (empty
-    ones included): a refilled row must not keep a longer previous sequence's scales there."""
+def test_a_reused_fp8_row_bounds_its_value_scales_by_its_own_prompt(qwen3):
+    """The kernel divides the softmax weights by the row's v_top: after a prompt it is the largest value scale of
+    that prompt's tokens, not of a longer previous sequence's, whose scales stay in the slots past it."""
     cfg = qwen3[0].cfg
     cache = KVCache(cfg, 2, 40, "cpu", torch.float32, "longflow", kv_dtype=kernel.FP8)
     layer, D = cache.layers[0], cfg.head_dim
@@ -538,14 +538,27 @@ def test_a_reused_fp8_row_keeps_no_value_scale_of_its_previous_sequence(qwen3):
         q = torch.randn(1, cfg.n_heads, T, D)
         k, v = torch.randn(1, cfg.n_kv_heads, T, D), torch.randn(1, cfg.n_kv_heads, T, D) * size
         cache.prefill(layer, q, k, v, torch.arange(T)[None], torch.tensor([1]))
-    assert (layer.v_scale[1, :, :10] > 0).all() and (layer.v_scale[1, :, 10:] == 0).all()
+    assert torch.equal(layer.v_top[1], layer.v_scale[1, :, :10].amax(-1))
+    assert (layer.v_scale[1, :, 10:30] > 100 * layer.v_top[1, :, None]).all()  # the old sequence's, never attended
+
+
+@pytest.mark.parametrize("policy", ["longflow", "streaming"])
+def test_an_fp8_rows_v_top_bounds_every_value_scale_it_holds_while_it_evicts(qwen3, policy):
+    """v_top only grows while a row decodes (the largest scale written since its prompt): however many tokens
+    leave, it stays at or above every scale the row holds, so the kernel's weights stay within [0, 1]."""
+    model, tok = qwen3
+    engine = Engine(model, compile=False, kv_dtype=kernel.FP8)
+    engine.generate(prompts_of(tok), 60, [], budget=40, policy=policy)
+    for layer in engine.cache.layers:
+        held = layer.v_scale.masked_fill(layer.pos < 0, 0.0).amax(-1)  # [B, H_kv]
+        assert (layer.v_top >= held).all() and (layer.v_top > 0).all()
 
 
 def test_fp8_cache_bytes_count_one_byte_a_value_and_two_scales_a_slot(qwen3):
     cfg = qwen3[0].cfg
     for policy in ("longflow", "rkv", "full"):
         cache = KVCache(cfg, 2, 40, "cpu", torch.float32, policy, kv_dtype=kernel.FP8)
-        kept = [t for layer in cache.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.pos,
+        kept = [t for layer in cache.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.v_top, layer.pos,
                                                        *layer.kept.values())]
         assert KVCache.bytes_needed(cfg, 2, 40, torch.float32, cache.policy, kernel.FP8) == \
             sum(t.numel() * t.element_size() for t in kept)

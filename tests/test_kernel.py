@@ -461,16 +461,19 @@ def test_fp8_reference_attends_the_values_the_cache_holds():
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one_program_per_head"])
-@pytest.mark.parametrize("size, spread", [(1.0, 1), (0.002, 1), (1e8, 1), (1.0, 1e6)])
+@pytest.mark.parametrize("size, spread, stale", [(1.0, 1, 1), (0.002, 1, 1), (1e8, 1, 1), (1.0, 1e6, 1),
+                                                 (1.0, 1, 1e3), (1.0, 1e3, 1e3)])
 # size, the largest |v|: small values make small weights, large ones weights past fp16's range (65504) unless
-# the kernel scales them down; spread: the ratio between a row's largest and smallest value vectors
-def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size, spread, split,
+# the kernel scales them down; spread: the ratio between a row's largest and smallest value vectors; stale: how
+# far above the row's largest scale its v_top is (the cache's, once the token that held it has left)
+def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of_v(size, spread, stale, split,
                                                                                    monkeypatch):
     """With bf16 queries the kernel multiplies in fp16 (the GPU's path; the interpreter runs it too): its
     error against the reference stays that of bf16 outputs, also when V is small and every weight
     e_i * scale_i would be an fp16 subnormal, or past fp16's largest value, and when a row's value scales
-    spread over six decades (the kernel divides the weights by each row's largest). The two rows and two
-    KV heads hold values 1e5 apart, so a row divided by another's largest scale overflows or underflows."""
+    spread over six decades (the kernel divides the weights by each row's v_top), or its v_top is 1,000 times
+    their largest. The two rows and two KV heads hold values 1e5 apart, so a row divided by another's largest
+    scale overflows or underflows."""
     if not split:  # as at a large batch: one program per KV head, no partials to merge
         monkeypatch.setattr(kernel, "_split_count", lambda *_: 1)
     q, k, v, pos = make_inputs(2, 8, 2, 320, 64)  # 320 slots: several blocks per split, and a partial one
@@ -479,7 +482,7 @@ def test_fp8_kernel_with_16_bit_queries_keeps_its_precision_whatever_the_size_of
     apart = torch.tensor([[1.0, 1e5], [1e-5, 1.0]])[:, :, None, None]  # [B, H_kv, 1, 1]
     (k, k_scale), (v, v_scale) = kernel.quantize(k), kernel.quantize(v * (size * apart * sizes[:, None]).to(DEVICE))
     args, scales = (q.bfloat16(), k, v, pos), dict(k_scale=k_scale, v_scale=v_scale)
-    out, evict = kernel.decode_attention(*args, **scales)
+    out, evict = kernel.decode_attention(*args, **scales, v_top=v_scale.amax(-1) * stale)
     want, want_evict = kernel.decode_attention_ref(*args, **scales)
     # the reference's own bf16 output rounding is ~2.2e-3 (relative to fp32); the kernel's fp16 products
     # in the interpreter add up to ~2e-3 more. Each KV head's group apart: their sizes differ by 1e5

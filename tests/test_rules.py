@@ -242,7 +242,7 @@ def test_the_memory_planner_counts_exactly_what_the_cache_allocates(name):
     for kv_dtype in (None, torch.float8_e4m3fn):
         cache = KVCache(CFG, B, S, "cpu", torch.float32, p, kv_dtype=kv_dtype)
         c = cache.layers[0]
-        scales = (c.k_scale, c.v_scale) if kv_dtype else ()
+        scales = (c.k_scale, c.v_scale, c.v_top) if kv_dtype else ()
         tensors = (c.k, c.v, c.pos, *scales, *c.kept.values())
         assert KVCache.bytes_needed(CFG, B, S, torch.float32, p, kv_dtype) == \
             sum(t.numel() * t.element_size() for t in tensors)
