@@ -182,8 +182,9 @@ class KVCache:
         stored, k, v = self.as_stored(k, v)
         for t, x in zip(self.stored_tensors(c), stored):
             t[rows, :, :T] = x
-        if self.fp8:  # the prompt's largest value scale (stored[-1] [R, H_kv, T]); an earlier sequence's, still in
-            c.v_top[rows] = stored[-1].amax(-1)  # the slots past T, are never attended
+        if self.fp8:  # the largest value scale of the prompt's tokens, not of its padding (nor of an earlier
+            # sequence's, in the slots past T, which are never attended again)
+            c.v_top[rows] = stored[-1].masked_fill(pos < 0, 0.0).amax(-1)  # [R, H_kv, T] -> [R, H_kv]
         c.pos[rows, :, :T] = pos.int()
         for name, kept in p.keeps.items():
             kept.start(c.kept[name], rows, q, k, v, pos, positions, seed)

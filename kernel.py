@@ -33,7 +33,8 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
   v_top             [B, H_kv] fp32 | None     with FP8, an upper bound of each row's value scales (the cache
                                               keeps the largest written since the row's prompt); None: their
                                               maximum, computed. The Triton path divides its fp16 weights by it
-                                              (_attend_slots); it changes their rounding, not the result
+                                              (_attend_slots): a bound up to 1,000x the largest scale keeps
+                                              bf16's precision (tests/test_kernel.py), far above it fp16 loses it
   partial           bool                      return the score itself in place of evict, before protection
                                               and empty slots: [B, S] per layer (the mean over these heads,
                                               for tensor-parallel ranks that decide together), [B, H_kv, S]
@@ -528,6 +529,8 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
                            "is imported; on this machine call kernel.decode_attention_ref (same arguments)")
     if (k_scale is None) != (v_scale is None) or (k_scale is not None and k.dtype != torch.uint8):
         raise ValueError("an FP8 cache gives k and v as uint8 e4m3 bits with both k_scale and v_scale")
+    if v_top is not None and (v_scale is None or v_top.shape != v_scale.shape[:2]):
+        raise ValueError("v_top bounds an FP8 cache's value scales: [B, H_kv], given with k_scale and v_scale")
     if partial and (per_head or acc is not None or not select):
         raise ValueError("the kernel's partial scores are per layer (per_head=False), of this step (no acc), and "
                          "need select")

@@ -530,7 +530,8 @@ def test_fp8_key_sum_stays_the_sum_of_the_stored_unit_keys_in_a_bf16_model(check
 
 def test_a_reused_fp8_row_bounds_its_value_scales_by_its_own_prompt(qwen3):
     """The kernel divides the softmax weights by the row's v_top: after a prompt it is the largest value scale of
-    that prompt's tokens, not of a longer previous sequence's, whose scales stay in the slots past it."""
+    that prompt's tokens, not of a longer previous sequence's, whose scales stay in the slots past it, nor of
+    the prompt's padding."""
     cfg = qwen3[0].cfg
     cache = KVCache(cfg, 2, 40, "cpu", torch.float32, "longflow", kv_dtype=kernel.FP8)
     layer, D = cache.layers[0], cfg.head_dim
@@ -540,6 +541,12 @@ def test_a_reused_fp8_row_bounds_its_value_scales_by_its_own_prompt(qwen3):
         cache.prefill(layer, q, k, v, torch.arange(T)[None], torch.tensor([1]))
     assert torch.equal(layer.v_top[1], layer.v_scale[1, :, :10].amax(-1))
     assert (layer.v_scale[1, :, 10:30] > 100 * layer.v_top[1, :, None]).all()  # the old sequence's, never attended
+    # right-padded prompts: a padding token's scale is not the row's
+    T = 12
+    q, k, v = torch.randn(1, cfg.n_heads, T, D), *torch.randn(2, 1, cfg.n_kv_heads, T, D)
+    v[:, :, 8:] *= 1e4
+    cache.prefill(layer, q, k, v, torch.cat([torch.arange(8), torch.full((4,), -1)])[None], torch.tensor([0]))
+    assert torch.equal(layer.v_top[0], layer.v_scale[0, :, :8].amax(-1))
 
 
 @pytest.mark.parametrize("policy", ["longflow", "streaming"])

@@ -460,6 +460,13 @@ def test_fp8_reference_attends_the_values_the_cache_holds():
     assert torch.equal(evict.cpu(), torch.where(empty.any(-1), empty.int().argmax(-1), score.argmin(-1)).expand(2, 2))
 
 
+def test_a_v_top_that_bounds_no_fp8_scales_of_its_shape_is_refused():
+    args, scales = fp8_inputs(2, 8, 2, 40, 64)
+    for v_top, given in ((torch.ones(2, 2, 1, device=DEVICE), scales), (torch.ones(2, 2, device=DEVICE), {})):
+        with pytest.raises(ValueError, match=r"v_top bounds an FP8 cache's value scales: \[B, H_kv\]"):
+            kernel.decode_attention(*(args if given else make_inputs(2, 8, 2, 40, 64)), **given, v_top=v_top)
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one_program_per_head"])
 @pytest.mark.parametrize("size, spread, stale", [(1.0, 1, 1), (0.002, 1, 1), (1e8, 1, 1), (1.0, 1e6, 1),
                                                  (1.0, 1, 1e3), (1.0, 1e3, 1e3)])
