@@ -214,8 +214,8 @@ def _weight_only_kernel(x, w, s, row_block, out, partials, arrived, M, N, K, KB_
 def _add_splits(acc, partials, arrived, out, at, mask, n_splits, MN):
     """Split K without a kernel to add the splits (program (i, j, split)): each split stores its fp32 sums `acc`
     at offsets `at` of partials [n_splits, M, N], and the split that arrives last at its (i, j) (a count in
-    arrived [grid i, grid j], zeros) adds them all, in split order (so the same sum every run, whichever split
-    came last), into out [M, N]."""
+    arrived [grid i x grid j], zeros: _arrivals) adds them all, in split order (so the same sum every run,
+    whichever split came last), into out [M, N], and sets the count back to zero for the next launch."""
     tl.store(partials + tl.program_id(2) * MN + at, acc, mask=mask)
     tl.debug_barrier()  # every thread's sums stored before the count goes up (the atomic releases them)
     count = arrived + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
@@ -224,6 +224,7 @@ def _add_splits(acc, partials, arrived, out, at, mask, n_splits, MN):
         for i in range(n_splits):  # .cg: from L2, where the other programs' sums are
             total += tl.load(partials + i * MN + at, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(out + at, total.to(out.dtype.element_ty), mask=mask)
+        tl.store(count, 0)  # no other program of this launch counts here any more
 
 
 @triton.jit
@@ -279,11 +280,14 @@ WEIGHT_ONLY_LAUNCH = dict(block_n=32, groups=2, waves=4, num_warps=8, num_stages
 TENSOR_CORE_LAUNCH = dict(block_m=64, block_n=64, waves=2, num_warps=4, num_stages=4)
 WEIGHT_ONLY_ROWS = 1
 CUBLAS_ROWS = 64
+MOST_WAVES = 8  # the most a launch's `waves` may be
 
 
 def _splits(programs: int, KB: int, waves: int, device, multiple: int = 1) -> tuple[int, int]:
     """(K blocks per split, splits): K split until the grid covers `waves` waves of SMs; a split's blocks a
     multiple of `multiple`."""
+    if waves > MOST_WAVES:
+        raise ValueError(f"a launch aims for at most {MOST_WAVES} waves of SMs (the counts _arrivals keeps), not {waves}")
     kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(device), max(1, programs)))))
     kb_per = triton.cdiv(kb_per, multiple) * multiple
     return kb_per, triton.cdiv(KB, kb_per)
@@ -295,7 +299,16 @@ def _outputs(x, N, grid: tuple[int, int, int]):
     M, split = x.shape[0], grid[2] > 1
     return (torch.empty(M, N, device=x.device, dtype=x.dtype),
             torch.empty(grid[2] if split else 0, M, N, device=x.device, dtype=torch.float32),
-            torch.zeros(grid[0] if split else 0, grid[1], device=x.device, dtype=torch.int32))
+            _arrivals(x.device)[:grid[0] * grid[1] if split else 0])
+
+
+@functools.cache
+def _arrivals(device) -> Tensor:
+    """The split kernels' arrival counts, one a program (i, j), left zero by every launch (_add_splits): no memset
+    a call (at one row the step had three a layer). A grid splits K only while it has fewer programs
+    than `waves` x SMs (_splits), so that many serve every launch. Launches that share them must not overlap:
+    tinyflow runs a device's kernels on one stream at a time (warm-ups, captures and replays in turn)."""
+    return torch.zeros(MOST_WAVES * kernel._sm_count(device), dtype=torch.int32, device=device)
 
 
 def _weight_only(x, weight, scale_inv, row_block, block_n, groups, waves, num_warps, num_stages):

@@ -126,6 +126,22 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
         torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("name", ["weight_only", "tensor_cores"])
+def test_a_kernel_that_splits_k_leaves_its_arrival_counts_at_zero_for_the_next_launch(name):
+    """The split that arrives last adds the splits' sums and sets its count back to zero (fp8._arrivals: one buffer
+    for every launch, never cleared in between): a second launch then adds its own splits, bit for bit the first's
+    sums, and a launch of another grid over the same counts is right too."""
+    weight, scale, rows = quantized_linear(256, 512, [256])
+    x = on_the_e4m3_grid(3, 512, seed=2).to(DEVICE, torch.bfloat16 if CUDA else torch.float32)
+    first = fp8.fp8_linear(x, weight, scale, rows, name)
+    assert torch.equal(fp8.fp8_linear(x, weight, scale, rows, name), first)
+    assert not fp8._arrivals(x.device).any()
+    wide = fp8.fp8_linear(x, weight, scale, rows, name, block_n=64)  # another grid: its splits sum in another order
+    tol = 2e-2 if CUDA else 1e-6  # bf16's rounding on a GPU, fp32's on the CPU (test_both_kernels_equal_their_reference)
+    torch.testing.assert_close(wide.float(), first.float(), atol=tol * first.abs().max().item(), rtol=tol)
+    assert not fp8._arrivals(x.device).any()
+
+
 def recording_kernels(monkeypatch) -> list:
     """fp8.py's three launchers, each noting (its name, its rows) in the list returned before it runs."""
     ran = []
