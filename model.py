@@ -319,13 +319,11 @@ class Transformer(nn.Module):
         on the CPU (the engine's), without a host sync."""
         if rows is not None and not in_order(positions):
             raise ValueError("prefill takes right-padded prompts: each row's positions 0, 1, 2, ..., then -1")
-        return self.run(tokens, on_device(positions, tokens.device), cache, rows, last, run_block).float()
+        return self.run(tokens, on_device(positions, tokens.device), cache, rows, last, run_block)
 
     def run(self, tokens, positions, cache: KVCache, rows=None, last=None, run_block=Block.__call__):
-        """forward without the prefill's order check, positions on the tokens' device, the logits in the model's
-        dtype: what a CUDA graph of the prefill captures (step.PrefillGraphs; its engine pads the prompts itself),
-        and the decode step runs (its compiled sampling reads them in fp32, where the conversion costs no pass
-        of its own over [B, V])."""
+        """forward without the prefill's order check, positions on the tokens' device: what a CUDA graph of the
+        prefill captures (step.PrefillGraphs; its engine pads the prompts itself)."""
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]
         freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq  # [B, T, D/2], fp32 like HF
         angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]
@@ -336,7 +334,7 @@ class Transformer(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight[self.vocab_part] if self.cfg.tie_embeddings else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size)
+        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size).float()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -52,13 +52,13 @@ def push(state: State, nxt):
 
 
 def advance(logits, state: State, sampler: Sampler):
-    """Sample the next token from logits [B, V] (the model's dtype: fp32 from here on) and move the state on."""
-    push(state, sampler.pick(logits.float(), state.seeds, state.positions + 1))
+    """Sample the next token from logits [B, V] and move the state on."""
+    push(state, sampler.pick(logits, state.seeds, state.positions + 1))
 
 
 def advance_greedy(logits, state: State, sampler: Sampler):
     """advance when no row samples: the argmax (after the penalty), without sorting the vocabulary."""
-    push(state, sampler.pick(logits.float(), state.seeds, state.positions + 1, hot=False))
+    push(state, sampler.pick(logits, state.seeds, state.positions + 1, hot=False))
 
 
 @dataclass
@@ -86,7 +86,6 @@ class Forcing:
 def advance_forced(logits, state: State, f: Forcing):
     """Record log p and the argmax of the continuation's next token under logits [B, V], then feed that
     token. The token's index in the continuation follows from the row's position: no host copy per step."""
-    logits = logits.float()  # [B, V], from the model's dtype
     logp = logits.log_softmax(-1)  # [B, V]
     index = (state.positions + 1 - f.start).clamp(0, f.tokens.shape[1] - 1)  # [B] the token being predicted
     nxt = f.tokens.gather(1, index[:, None])  # [B, 1]
@@ -248,7 +247,7 @@ class PrefillGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         self.graphs[n, T] = graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[n, T] = run().float()  # [n, V]
+            self.logits[n, T] = run()  # [n, V]
 
     def __call__(self, tokens, positions, rows, last):
         """The prefill of tokens, positions [n, T] (on the host, T one of the lengths) into cache rows [n] (on the
@@ -322,9 +321,8 @@ class Stepper:
         n = n or self.size
         cache, st, mode = self.views[n]
         version = 1 if n == 1 else "more"
-        # the decode step's positions are on the device already; logits [n, 1, V] in the model's dtype
-        logits = self.model.run(st.tokens[:, None], st.positions[:, None], cache, run_block=self.run_block[version])
-        self.advance[hot, version](logits[:, 0], st, mode)
+        logits = self.model(st.tokens[:, None], st.positions[:, None], cache, run_block=self.run_block[version])
+        self.advance[hot, version](logits[:, 0], st, mode)  # logits: [n, 1, V]
 
     def move_rows(self, src: list[int], dst: list[int]):
         """Move rows src into the free rows dst: their cache, decode state and sampling (or teacher forcing)."""
