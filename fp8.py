@@ -287,7 +287,8 @@ def _splits(programs: int, KB: int, waves: int, device, multiple: int = 1) -> tu
     """(K blocks per split, splits): K split until the grid covers `waves` waves of SMs; a split's blocks a
     multiple of `multiple`."""
     if waves > MOST_WAVES:
-        raise ValueError(f"a launch aims for at most {MOST_WAVES} waves of SMs (the counts _arrivals keeps), not {waves}")
+        raise ValueError(f"a launch aims for at most {MOST_WAVES} waves of SMs (the counts _arrivals keeps), "
+                         f"not {waves}")
     kb_per = triton.cdiv(KB, max(1, min(KB, triton.cdiv(waves * kernel._sm_count(device), max(1, programs)))))
     kb_per = triton.cdiv(kb_per, multiple) * multiple
     return kb_per, triton.cdiv(KB, kb_per)
