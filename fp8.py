@@ -308,7 +308,11 @@ def _arrivals(device) -> Tensor:
     """The split kernels' arrival counts, one a program (i, j), left zero by every launch (_add_splits): no memset
     a call (at one row the step had three a layer). A grid splits K only while it has fewer programs
     than `waves` x SMs (_splits), so that many serve every launch. Launches that share them must not overlap:
-    tinyflow runs a device's kernels on one stream at a time (warm-ups, captures and replays in turn)."""
+    tinyflow runs a device's kernels on one stream at a time (warm-ups, captures and replays in turn). Made outside
+    a CUDA graph's capture (each step size is warmed up first): inside one they would be the graph's memory."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("fp8: run an FP8 product once before capturing a CUDA graph of it (its split counts are "
+                           "made on the first run)")
     return torch.zeros(MOST_WAVES * kernel._sm_count(device), dtype=torch.int32, device=device)
 
 

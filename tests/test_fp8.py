@@ -130,14 +130,18 @@ def test_both_kernels_equal_their_reference(M, N, K, sizes):
 def test_a_kernel_that_splits_k_leaves_its_arrival_counts_at_zero_for_the_next_launch(name):
     """The split that arrives last adds the splits' sums and sets its count back to zero (fp8._arrivals: one buffer
     for every launch, never cleared in between): a second launch then adds its own splits, bit for bit the first's
-    sums, and a launch of another grid over the same counts is right too."""
+    sums, and a launch of another grid over the same counts is right too. (3 rows and 512 columns: both kernels
+    split K at both grids; without the reset the second launch fails.)"""
     weight, scale, rows = quantized_linear(256, 512, [256])
     x = on_the_e4m3_grid(3, 512, seed=2).to(DEVICE, torch.bfloat16 if CUDA else torch.float32)
     first = fp8.fp8_linear(x, weight, scale, rows, name)
     assert torch.equal(fp8.fp8_linear(x, weight, scale, rows, name), first)
     assert not fp8._arrivals(x.device).any()
-    wide = fp8.fp8_linear(x, weight, scale, rows, name, block_n=64)  # another grid: its splits sum in another order
-    tol = 2e-2 if CUDA else 1e-6  # bf16's rounding on a GPU, fp32's on the CPU (test_both_kernels_equal_their_reference)
+    block_n = {"weight_only": fp8.WEIGHT_ONLY_LAUNCH, "tensor_cores": fp8.TENSOR_CORE_LAUNCH}[name]["block_n"]
+    wide = fp8.fp8_linear(x, weight, scale, rows, name, block_n=2 * block_n)  # half the programs
+    # the same splits, but wider tiles: a tensor-core product may add within them in another order, so to bf16's
+    # rounding on a GPU and fp32's on the CPU (as test_both_kernels_equal_their_reference)
+    tol = 2e-2 if CUDA else 1e-6
     torch.testing.assert_close(wide.float(), first.float(), atol=tol * first.abs().max().item(), rtol=tol)
     assert not fp8._arrivals(x.device).any()
 

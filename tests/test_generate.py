@@ -507,7 +507,8 @@ def test_cuda_graph_replay_matches_eager_and_never_recompiles(checkpoints, polic
     sizes, 2 and then 1 for the last prompt alone. Knorm's key norms are rounded to 2^-12 here: a token's
     keys in the first layer are one vector rotated, so a repeated token's norms tie but for rounding, which
     the compiled and the eager code do differently (unrounded, their tokens part at the 71st-73rd, on the CPU
-    too); rounded, ties are exact and both give them to the lowest slot."""
+    too); rounded, such ties are exact and both give them to the lowest slot (unless two norms an ulp apart fall
+    either side of a multiple of 2^-12: possible, far rarer)."""
     rounded = lambda self, c, q, now: -(c.kept["key_norm"] * 2**12).round()
     monkeypatch.setattr(type(POLICIES["knorm"]), "score", rounded)
     model, tok = load(str(checkpoints["llama"]), torch.device("cuda"), torch.float32)
