@@ -170,7 +170,7 @@ def bench_kernel(args, hw: Machine, _):
             "longflow": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, vnorm=n), vnorm_bytes),
             "longflow-head": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, per_head=True, vnorm=n),
                               vnorm_bytes),
-            "tova (no value norm)": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, value_norm=False), 0),
+            "tova (no value norm)": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, scoring=kernel.Scoring()), 0),
             "no selection": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, select=False), 0),
             "torch SDPA": (lambda q, k, v, p, n: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True),
                            0),

@@ -16,8 +16,8 @@ import torch
 
 import kernel
 from parallel import SINGLE, Group
-from policies import (POLICIES, Policy, argmin_slot, check_prompt_rule, resolve_policy, snapkv_score,
-                      streaming_prompt_score, top_tokens)
+from policies import (POLICIES, Policy, check_prompt_rule, resolve_policy, snapkv_score, streaming_prompt_score,
+                      top_tokens)
 
 
 @dataclass
@@ -114,12 +114,13 @@ class KVCache:
         c.next_slot.copy_(evict)
         return out
 
-    def attention(self, c: Layer, q, select=False, value_norm=True, acc=None, vnorm=None, limit=None, partial=False):
+    def attention(self, c: Layer, q, select=False, scoring=kernel.LONGFLOW, state=None, vnorm=None, limit=None,
+                  partial=False):
         """kernel.decode_attention over layer c (its reference on the CPU) with the policy's protections."""
         p = self.policy
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
         return attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window, select=select,
-                      value_norm=value_norm, acc=acc, limit=limit, vnorm=vnorm,
+                      scoring=scoring, state=state, limit=limit, vnorm=vnorm,
                       k_scale=c.k_scale if self.fp8 else None, v_scale=c.v_scale if self.fp8 else None,
                       partial=partial, v_top=c.v_top if self.fp8 else None)
 
@@ -127,7 +128,8 @@ class KVCache:
         """The slot the policy's score [B, H_kv or 1, S] ranks lowest: per KV head, or per layer on the mean
         over every rank's heads (not for a score the same in every head). Returns [B, H_kv]."""
         p = self.policy
-        return argmin_slot(score if p.per_head or p.same_in_every_head else self.layer_mean(score), c.pos, p)
+        layer_mean = (lambda s: s[:, :1]) if p.same_in_every_head else self.layer_mean
+        return kernel.choose_slot(score, c.pos, p.n_sink, p.window, p.per_head, layer_mean)
 
     def layer_mean(self, score):
         """[B, H, ...] -> [B, 1, ...]: the mean over every head of the layer, this rank's and the others'."""

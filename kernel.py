@@ -20,10 +20,12 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
   n_sink, window    int                       never evict positions < n_sink, or > newest - window (newest:
                                               the row's largest position)
   select            bool                      False: attention only, evict is -1
-  value_norm        bool                      score alpha * ||v||_1 (LongFlow), or alpha alone (TOVA)
-  acc               [B, H_kv, S] fp32 | None  the step's score is added into it in place and its argmin
-                                              taken instead (H2O, VATP); per layer every column gets the
-                                              same score and column 0 is compared
+  scoring           Scoring                   what a slot is scored by (the class below): alpha, times
+                                              ||v||_1 or not, kept in a per-slot state or not
+  state             [B, H_kv, S] fp32 | None  the per-slot state a scoring with an update keeps (H2O's sum):
+                                              updated in place by this step's score and its argmin taken
+                                              instead; per layer every column gets the same state and column
+                                              0 is compared
   limit             [B, H_kv] int64 | None    select=False only: slots from limit on count as empty (a cache
                                               filled in order)
   vnorm             [B, H_kv, S] fp32 | None  ||v||_1 of every slot, when the caller keeps it (else computed)
@@ -38,7 +40,7 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
   partial           bool                      return the score itself in place of evict, before protection
                                               and empty slots: [B, S] per layer (the mean over these heads,
                                               for tensor-parallel ranks that decide together), [B, H_kv, S]
-                                              per head (the reference only); no acc, and select
+                                              per head (the reference only); no state, and select
 
 The Triton path: _attend_kernel reads K/V once (flash-decoding splits when the batch is small) and stores
 each head's logits; _finish_kernel merges the splits and, in parallel over chunks of slots, turns the
@@ -48,6 +50,7 @@ logits into scores and takes each chunk's minimum into one packed (score, slot) 
 import functools
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -64,11 +67,73 @@ HAS_TRITON = hasattr(triton, "cdiv")
 CAN_LAUNCH = HAS_TRITON and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available())
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """What the fused kernel scores each slot by, declared as data (a KernelPolicy's `scoring`):
+
+        step_i = mean over the query heads of alpha[h, i]      (value_norm: times ||v_i||_1)
+        update "none":  score_i = step_i                         LongFlow, TOVA
+               "sum":   state_i = state_i + step_i               H2O, VATP (a per-slot state the caller keeps)
+               "ema":   state_i = decay * state_i + step_i       an exponential moving average (unnormalised)
+        then score_i = state_i
+
+    alpha[h, i] is the current query's softmax weight of slot i; the mean runs over the KV head's query group
+    (per head) or over every head of the layer. A new factor is a field here and in `constexprs`, a line in
+    decode_attention_ref and its lines in _score_chunk."""
+    value_norm: bool = False
+    update: str = "none"
+    decay: float = 1.0  # "ema" only: the weight of the state a step keeps
+
+    def __post_init__(self):
+        if self.update not in UPDATES:
+            raise ValueError(f"unknown score update {self.update!r}; choose one of {', '.join(UPDATES)}")
+        if (self.update == "ema") != (0 < self.decay < 1) or (self.update != "ema" and self.decay != 1):
+            raise ValueError(f"an \"ema\" update takes a decay in (0, 1), the others none; got {self!r}")
+
+    @property
+    def keeps_state(self) -> bool:
+        return self.update != "none"
+
+    def update_state(self, state, step):
+        """state <- decay * state + step, in place ("sum": decay 1): the kernel's update, in PyTorch."""
+        return state.mul_(self.decay).add_(step) if self.decay != 1 else state.add_(step)
+
+    def constexprs(self, state) -> dict:
+        """The kernel's compile-time flags for this scoring (state: the tensor given, or None)."""
+        return dict(VALUE_NORM=self.value_norm, HAS_STATE=state is not None, DECAY=self.decay)
+
+
+UPDATES = ("none", "sum", "ema")
+
+
+def check_state(scoring: Scoring, state, partial: bool, select: bool):
+    """A state only for a scoring that updates one, and partial scores only of this step, with selection."""
+    if state is not None and not scoring.keeps_state:
+        raise ValueError(f"a per-slot state is for a scoring with an update (sum, ema), not {scoring!r}")
+    if partial and (state is not None or not select):
+        raise ValueError("partial scores are this step's (no state) and need select")
+LONGFLOW = Scoring(value_norm=True)  # decode_attention's default
+
+
 def protected_mask(pos, n_sink: int, window: int):
     """Slots never evicted: one of the first n_sink positions, or of the last `window` (counted back from
     the newest position of the row). pos: [..., S], -1 for empty (never protected)."""
     newest = pos.amax(-1, keepdim=True)
     return (pos >= 0) & ((pos < n_sink) | (pos > newest - window))
+
+
+def choose_slot(score, pos, n_sink: int, window: int, per_head: bool, layer_mean=None):
+    """The slot the next token overwrites, [B, H_kv]: the lowest-index empty slot, else the lowest score
+    among the slots not protected (ties: the lowest slot). Per KV head, or with per_head False one slot for
+    the whole layer, on the mean of the score over its heads: layer_mean(score) [B, H, S] -> [B, 1, S] (the
+    mean over dim 1, or over every tensor-parallel rank's heads). score: [B, H_kv or 1, S]; pos: [B, H_kv, S].
+    Everything that decides calls this (the Triton kernel does the same in _lower_key)."""
+    protected, empty = protected_mask(pos, n_sink, window), pos < 0
+    if not per_head:  # every KV head holds the same positions
+        score = (layer_mean or (lambda s: s.mean(1, keepdim=True)))(score)
+        protected, empty = protected.any(1, keepdim=True), empty.any(1, keepdim=True)
+    score = score.masked_fill(protected, math.inf).masked_fill(empty, -math.inf)
+    return score.argmin(-1).expand(pos.shape[:2]).contiguous()  # argmin: the first minimum, the lowest slot
 
 
 def l1_norm(v):
@@ -94,12 +159,12 @@ def dequantize(bits, scale, dtype=torch.float32):
     return (bits.view(FP8).float() * scale[..., None]).to(dtype)
 
 
-def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                         acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
-    """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 and its argmin. The
-    arguments: the table at the top of this file (v_top is the kernel's; exact arithmetic needs none)."""
-    if partial and (acc is not None or not select):
-        raise ValueError("partial scores are this step's (no acc) and need select")
+def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, scoring=LONGFLOW,
+                         state=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
+    """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 (the scoring's factors) and its
+    argmin. The arguments: the table at the top of this file (v_top is the kernel's; exact arithmetic needs
+    none)."""
+    check_state(scoring, state, partial, select)
     B, H_q, D = q.shape
     H_kv = k.shape[1]
     if k_scale is not None:
@@ -113,22 +178,14 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     if not select:
         return out, torch.full((B, H_kv), -1, dtype=torch.int64, device=q.device)
 
-    if vnorm is None:
-        vnorm = l1_norm(v)  # [B, H_kv, S]
-    score = alpha * vnorm[:, :, None] if value_norm else alpha  # [B, H_kv, G, S]
-    protected = protected_mask(pos, n_sink, window)  # [B, H_kv, S]
-    if per_head:
-        score = score.mean(2)  # [B, H_kv, S]
-    else:
-        score = score.mean((1, 2))[:, None]  # [B, 1, S]
-        empty, protected = empty.any(1, keepdim=True), protected.any(1, keepdim=True)
+    if scoring.value_norm:
+        alpha = alpha * (l1_norm(v) if vnorm is None else vnorm)[:, :, None]  # [B, H_kv, G, S]
+    score = alpha.mean(2) if per_head else alpha.mean((1, 2))[:, None]  # [B, H_kv or 1, S]
     if partial:
         return out, score if per_head else score[:, 0]
-    if acc is not None:
-        acc += score
-        score = acc if per_head else acc[:, :1]
-    score = score.masked_fill(protected, math.inf).masked_fill(empty, -math.inf)
-    return out, score.argmin(-1).expand(B, H_kv).contiguous()  # argmin: first minimum = lowest slot
+    if state is not None:  # every column of a per-layer state holds the layer's score: column 0 is compared
+        score = scoring.update_state(state, score)[:, :score.shape[1]]
+    return out, choose_slot(score, pos, n_sink, window, per_head)
 
 
 # Running softmax max starts at a large finite value rather than -inf, so a block or split with no
@@ -295,13 +352,14 @@ def _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, kvh, n_split, H_KV: tl.cons
 
 
 @triton.jit
-def _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, chunk,
-                 S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, sa_b, sa_h, sa_s,
+def _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, state_ptr, key_ptr, part_ptr, b, chunk,
+                 S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, st_b, st_h, st_s,
                  H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr,
                  NS_PAD: tl.constexpr, CHUNK: tl.constexpr, PER_HEAD: tl.constexpr, PROTECT: tl.constexpr,
-                 HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr, VALUE_NORM: tl.constexpr):
-    """Score slots chunk*CHUNK .. +CHUNK of row b and lower key[b, kv] to the chunk's best (score, slot);
-    with PARTIAL (per layer), store the scores to part [B, S] instead, for the ranks to decide together."""
+                 PARTIAL: tl.constexpr, VALUE_NORM: tl.constexpr, HAS_STATE: tl.constexpr, DECAY: tl.constexpr):
+    """Score slots chunk*CHUNK .. +CHUNK of row b as the Scoring's flags say (VALUE_NORM, HAS_STATE, DECAY) and
+    lower key[b, kv] to the chunk's best (score, slot); with PARTIAL (per layer), store the scores to part
+    [B, S] instead, for the ranks to decide together."""
     kvs = tl.arange(0, KV_POW2)
     kv = kvs[:, None]  # [KV, 1]
     g = tl.arange(0, G_POW2)[None, :]  # [1, G]
@@ -322,22 +380,32 @@ def _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, acc_pt
     if PARTIAL:
         tl.store(part_ptr + b * S + slots, score, mask=slots < S)
     else:
-        _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, S, n_split,
-                   n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s, H_KV, NS_PAD, PER_HEAD, PROTECT, HAS_ACC)
+        if HAS_STATE:
+            score = _update_state(score, state_ptr + b * st_b + kv * st_h + slots * st_s, ok, kv, PER_HEAD, DECAY)
+        _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, key_ptr, b, S, n_split, n_sink, window,
+                   sp_b, sp_h, sp_s, H_KV, NS_PAD, PER_HEAD, PROTECT)
 
 
 @triton.jit
-def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, acc_ptr, key_ptr, b, S, n_split,
-               n_sink, window, sp_b, sp_h, sp_s, sa_b, sa_h, sa_s, H_KV: tl.constexpr, NS_PAD: tl.constexpr,
-               PER_HEAD: tl.constexpr, PROTECT: tl.constexpr, HAS_ACC: tl.constexpr):
-    """The chunk's scores [KV or 1, CHUNK] with acc added, protection and empty slots applied, packed with
-    their slots; key[b, kv] is lowered to the chunk's minimum."""
-    if HAS_ACC:  # add into every KV head's row of acc; compare the accumulated score (column 0 per layer)
-        a_ptrs = acc_ptr + b * sa_b + kv * sa_h + slots * sa_s
-        score += tl.load(a_ptrs, mask=ok, other=0.0)  # [KV, CHUNK]
-        tl.store(a_ptrs, score, mask=ok)
-        if not PER_HEAD:
-            score = tl.sum(tl.where(kv == 0, score, 0.0), axis=0, keep_dims=True)
+def _update_state(score, state_ptrs, ok, kv, PER_HEAD: tl.constexpr, DECAY: tl.constexpr):
+    """state = DECAY * state + score in every KV head's row of the chunk (state_ptrs [KV, CHUNK]); returns the
+    state to compare: per KV head, or per layer its row 0 (every row holds the layer's)."""
+    state = tl.load(state_ptrs, mask=ok, other=0.0)  # [KV, CHUNK]
+    if DECAY != 1.0:
+        state *= DECAY
+    state += score
+    tl.store(state_ptrs, state, mask=ok)
+    if not PER_HEAD:
+        state = tl.sum(tl.where(kv == 0, state, 0.0), axis=0, keep_dims=True)
+    return state
+
+
+@triton.jit
+def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, key_ptr, b, S, n_split, n_sink, window,
+               sp_b, sp_h, sp_s, H_KV: tl.constexpr, NS_PAD: tl.constexpr, PER_HEAD: tl.constexpr,
+               PROTECT: tl.constexpr):
+    """choose_slot's rule on the chunk's scores [KV or 1, CHUNK]: protection and empty slots applied, each score
+    packed with its slot; key[b, kv] is lowered to the chunk's minimum."""
     if PROTECT:  # never the first n_sink positions nor the last `window` (from the row's newest position)
         sp = tl.arange(0, NS_PAD)[None, :]
         newest = tl.load(newest_ptr + (b * H_KV + kv) * n_split + sp, mask=(kv < H_KV) & (sp < n_split), other=-1)
@@ -361,21 +429,23 @@ def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, acc_ptr, k
 def _finish_kernel(
     m_ptr, l_ptr, o_ptr, out_ptr,  # split partials as in _attend_kernel; out [B, H_q, D]
     vnorm_ptr,  # [B, H_kv, S] f32 ||v||_1 per slot (with VALUE_NORM)
-    logit_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr,  # [B, H_q, S], [B, H_kv, n_split], pos, acc [B, H_kv, S]
+    logit_ptr, newest_ptr, pos_ptr, state_ptr, key_ptr,  # [B, H_q, S], [B, H_kv, n_split], pos, state [B, H_kv, S]
     part_ptr,  # [B, S] f32 with PARTIAL: the per-layer scores themselves
-    S, n_split, n_chunks, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, sa_b, sa_h, sa_s,
+    S, n_split, n_chunks, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, st_b, st_h, st_s,
     H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr,
     NS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, PER_HEAD: tl.constexpr,
-    PROTECT: tl.constexpr, HAS_ACC: tl.constexpr, PARTIAL: tl.constexpr, VALUE_NORM: tl.constexpr,
+    PROTECT: tl.constexpr, PARTIAL: tl.constexpr,
+    VALUE_NORM: tl.constexpr, HAS_STATE: tl.constexpr, DECAY: tl.constexpr,  # Scoring.constexprs
 ):
     """Program (b, c): for c < n_chunks, score chunk c of row b's slots (all KV heads); for the H_kv programs
     after those (when split), merge the split partials of KV head c - n_chunks into out. One launch for both."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if c < n_chunks:
-        _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, acc_ptr, key_ptr, part_ptr, b, c,
-                     S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, sa_b, sa_h, sa_s,
-                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, HAS_ACC, PARTIAL, VALUE_NORM)
+        _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, state_ptr, key_ptr, part_ptr, b, c,
+                     S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, st_b, st_h, st_s,
+                     H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, PARTIAL,
+                     VALUE_NORM, HAS_STATE, DECAY)
     elif SPLIT:
         _combine_splits(m_ptr, l_ptr, o_ptr, out_ptr, b, c - n_chunks, n_split, H_KV, G, G_POW2, D, NS_PAD)
 
@@ -414,13 +484,13 @@ def _as_torch_op(fn):
     each of its refusals) that would never use it."""
     if not CAN_LAUNCH:
         return fn
-    op = torch.library.custom_op("tinyflow::decode_attention", mutates_args={"acc"})(fn)
+    op = torch.library.custom_op("tinyflow::decode_attention", mutates_args={"state"})(fn)
     op.register_fake(_result_shapes)
     return op
 
 
-def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc, limit, vnorm, k_scale, v_scale,
-                   partial, v_top):
+def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, decay, state, limit, vnorm, k_scale,
+                   v_scale, partial, v_top):
     """The op's results as empty tensors of their shapes: out [B, H_q, D], and the partial scores [B, S] fp32 or
     the chosen slot [B, H_kv] int64."""
     B, H_kv, S = pos.shape
@@ -441,11 +511,11 @@ def _unless_kept(v, v_scale, vnorm, v_top, value_norm: bool):
 
 @_as_torch_op
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
-                         window: int, select: bool, value_norm: bool, acc: Optional[Tensor],
+                         window: int, select: bool, value_norm: bool, decay: float, state: Optional[Tensor],
                          limit: Optional[Tensor], vnorm: Optional[Tensor], k_scale: Optional[Tensor],
                          v_scale: Optional[Tensor], partial: bool, v_top: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    # acc is an optional in-place argument: the inferred schema reads `Tensor(a!)? acc`, which torch.compile
-    # functionalises like any mutated input; None simply means nothing is mutated.
+    # value_norm, decay: the Scoring's fields. state is an optional in-place argument (the inferred schema reads
+    # `Tensor(a!)? state`, which torch.compile functionalises like any mutated input; None: nothing mutated).
     # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
     # selection, one torch op to unpack the slots (under torch.compile it fuses into whatever reads evict).
     # the bytes each launch moves, for checking GPU timings: docs/performance.md, "Kernel launch settings"
@@ -454,7 +524,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     G = H_q // H_kv
     assert H_q % H_kv == 0 and D == triton.next_power_of_2(D) and pos.shape == (B, H_kv, S)
     assert limit is None or not select, "limit is for caches without selection (they fill in order)"
-    assert not partial or (select and not per_head and acc is None), "partial scores are per layer, before acc"
+    assert not partial or (select and not per_head and state is None), "partial scores are per layer, no state"
     BLOCK_S = 64 if D <= 128 else 32
     n_blocks = triton.cdiv(S, BLOCK_S)
     n_split = _split_count(B * H_kv, n_blocks, q.device)
@@ -489,12 +559,13 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         CHUNK = _chunk_size(B, S, q.device)
         n_chunks = triton.cdiv(S, CHUNK) if select else 0
         torch.library.wrap_triton(_finish_kernel)[(B, n_chunks + (H_kv if split else 0))](
-            m, l, o, out, vnorm if value_norm else unused, logits, newest, pos, unused if acc is None else acc, key,
-            part, S, n_split, n_chunks, n_sink, window, *pos.stride(), *(vnorm.stride() if value_norm else (0,) * 3),
-            *(acc.stride() if acc is not None else (0,) * 3),
+            m, l, o, out, vnorm if value_norm else unused, logits, newest, pos, unused if state is None else state,
+            key, part, S, n_split, n_chunks, n_sink, window, *pos.stride(),
+            *(vnorm.stride() if value_norm else (0,) * 3), *(state.stride() if state is not None else (0,) * 3),
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
-            PROTECT=n_sink > 0 or window > 0, HAS_ACC=acc is not None, PARTIAL=partial, VALUE_NORM=value_norm,
+            PROTECT=n_sink > 0 or window > 0, PARTIAL=partial,
+            VALUE_NORM=value_norm, HAS_STATE=state is not None, DECAY=decay,
             num_warps=_finish_warps(split, H_kv, G, CHUNK))
     if partial:
         return out, part
@@ -519,8 +590,8 @@ def check_support(device: torch.device, head_dim: int, kv_dtype=None):
                          f"use --kv-dtype auto")
 
 
-def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, value_norm=True,
-                     acc=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
+def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, scoring=LONGFLOW,
+                     state=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
     if not HAS_TRITON:
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
@@ -531,8 +602,8 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
         raise ValueError("an FP8 cache gives k and v as uint8 e4m3 bits with both k_scale and v_scale")
     if v_top is not None and (v_scale is None or v_top.shape != v_scale.shape[:2]):
         raise ValueError("v_top bounds an FP8 cache's value scales: [B, H_kv], given with k_scale and v_scale")
-    if partial and (per_head or acc is not None or not select):
-        raise ValueError("the kernel's partial scores are per layer (per_head=False), of this step (no acc), and "
-                         "need select")
-    return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, value_norm, acc,
-                                               limit, vnorm, k_scale, v_scale, partial, v_top)
+    if partial and per_head:
+        raise ValueError("the kernel's partial scores are per layer (per_head=False)")
+    check_state(scoring, state, partial, select)
+    return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, scoring.value_norm,
+                                               scoring.decay, state, limit, vnorm, k_scale, v_scale, partial, v_top)

@@ -10,10 +10,12 @@ one the next token overwrites. Empty slots always go first, and the policy's pro
     score    its eviction score of every slot, lowest goes: [B, H_kv, S], or [B, 1, S] for one score of
              the whole layer (policies decided per layer, over the mean of their heads, say per_head=False)
     attend   attention over the slots and the slot the next token overwrites; the base class attends,
-             then takes the argmin of `score` (KernelPolicy: the fused kernel does both in one pass)
+             then takes the argmin of `score` (kernel.choose_slot decides, for every rule)
 
-The prompt's attention seeds what accumulates (`prompt_seed`, H2O and VATP), and a prompt longer than the
-budget is cut by SnapKV, StreamingLLM, or the policy's own score over the prompt (PROMPT_RULES).
+A rule the fused kernel scores (KernelPolicy) declares instead, as data, what the kernel scores it by
+(`scoring`, a kernel.Scoring): the kernel attends and decides in one pass, and what it keeps follows from
+that. The prompt's attention seeds a kept state (`prompt_seed`: H2O, VATP, LongFlow-EMA), and a prompt longer
+than the budget is cut by SnapKV, StreamingLLM, or the policy's own score over the prompt (PROMPT_RULES).
 
 To add a policy: a class here and a line in POLICIES (README.md, "Add a rule").
 """
@@ -132,12 +134,18 @@ class RecentQueries(Kept):
         return cfg.n_heads * self.n * cfg.head_dim * dtype.itemsize
 
     def of_prompt(self, q, k, v, pos, seed):
-        return last_queries(q, pos[:, 0], self.n)[0]
+        return self.ring(q, pos[:, 0])
 
     def start(self, t, rows, q, k, v, pos, positions, seed):
+        t[rows] = self.ring(q, positions)  # the prompt's queries, whether or not its tokens were compressed
+
+    def ring(self, q, positions):
+        """The last n real queries of prompts q [R, H_q, T, D] (positions [R, T]) at their ring columns, as
+        decoding keeps them: [R, H_q, n, D] (a prompt shorter than n leaves columns zero)."""
         last, cols = last_queries(q, positions, self.n)  # [R, H_q, n, D], [R, n]
-        t.index_fill_(0, rows, 0)  # a prompt shorter than n leaves columns empty; the last sequence's must go
-        t[rows[:, None], :, cols] = last.transpose(1, 2)
+        ring = torch.zeros_like(last)
+        ring[torch.arange(q.shape[0], device=q.device)[:, None], :, cols] = last.transpose(1, 2)
+        return ring
 
     def write(self, t, cache, c, at, q, k, v, positions):
         B, H_q = q.shape[:2]
@@ -228,68 +236,74 @@ class Full(Policy):
 
 @dataclass(frozen=True)
 class KernelPolicy(Policy):
-    """Scored inside the fused attention kernel, in the same pass over K and V: alpha_i, the current
-    query's softmax weight of slot i, averaged over the query heads; times ||v_i||_1 when the policy keeps
-    "value_l1"; summed over every step so far when it keeps "acc"."""
+    """Scored inside the fused attention kernel, in the same pass over K and V, by what `scoring` declares
+    (kernel.Scoring: the current query's alpha, times ||v||_1 or not, kept in a per-slot state or not). What it
+    keeps follows from that declaration: each slot's ||v||_1, and the state."""
+    scoring: ClassVar[kernel.Scoring] = kernel.Scoring()
 
-    @property
-    def value_norm(self) -> bool:
-        return "value_l1" in self.keeps
-
-    @property
-    def accumulate(self) -> bool:
-        return "acc" in self.keeps
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.keeps = kernel_keeps(cls.scoring)
 
     @property
     def prefill_compiles(self) -> bool:
-        return not self.accumulate  # prompt_seed sums the prompt's attention a chunk of queries at a time
+        return not self.scoring.keeps_state  # prompt_seed sums the prompt's attention a chunk of queries at a time
 
     def attend(self, cache, c, q, now):
         # tensor parallel, one decision per layer: the kernel gives this rank's part of the score, not a slot
         together = not self.per_head and cache.tp.size > 1
-        out, evict = cache.attention(c, q, select=True, value_norm=self.value_norm, vnorm=c.kept.get("value_l1"),
-                                     acc=c.kept["acc"] if self.accumulate and not together else None,
-                                     partial=together)
+        out, evict = cache.attention(c, q, select=True, scoring=self.scoring, vnorm=c.kept.get("value_l1"),
+                                     state=None if together else c.kept.get("state"), partial=together)
         return out, self.decide_together(cache, c, evict) if together else evict
 
     def decide_together(self, cache, c, part):
         """This rank's score part [B, S] (the mean over its heads) becomes the layer's mean over every
         rank's heads, from which each rank takes the same slot (the kernel's rule). Returns [B, H_kv]."""
         score = cache.layer_mean(part[:, None])  # [B, 1, S]
-        if self.accumulate:  # every column of acc holds the layer's accumulated score
-            c.kept["acc"].add_(score)
-            score = c.kept["acc"][:, :1]
-        return argmin_slot(score, c.pos, self)
+        if self.scoring.keeps_state:  # every column of the state holds the layer's
+            score = self.scoring.update_state(c.kept["state"], score)[:, :1]
+        return kernel.choose_slot(score, c.pos, self.n_sink, self.window, per_head=False)
 
     def score(self, c, q, now):
-        """The score the kernel ranks by: the accumulated one, or this step's from the reference."""
-        if self.accumulate:
-            return c.kept["acc"] if self.per_head else c.kept["acc"][:, :1]
-        part = kernel.decode_attention_ref(q, c.k, c.v, c.pos, per_head=self.per_head, value_norm=self.value_norm,
+        """The score the kernel ranks by, from its reference: the state, or this step's. Decoding takes the slot
+        from the kernel; prompt compression by the policy's own rule and the tests read this."""
+        if self.scoring.keeps_state:
+            return c.kept["state"] if self.per_head else c.kept["state"][:, :1]
+        part = kernel.decode_attention_ref(q, c.k, c.v, c.pos, per_head=self.per_head, scoring=self.scoring,
                                            vnorm=c.kept.get("value_l1"), partial=True)[1]
         return part if self.per_head else part[:, None]
 
     def prompt_seed(self, cache, q, k, v, positions):
-        """H2O's prefill score: the attention every prompt query gave each token (column sums of the causal
-        softmax), per query head averaged as a decode step averages alpha, times ||v||_1 for VATP."""
-        if not self.accumulate:
+        """The state after the prompt, as if each prompt query had been a decode step: the attention each query
+        gave each token (the causal softmax), times ||v||_1 with value_norm, weighted by decay^(queries after
+        it) and summed over the queries (H2O's column sums), then the mean over the query group or the layer."""
+        if not self.scoring.keeps_state:
             return None
         R, H, T, _ = k.shape
-        cols = attention_column_sums(q, k, positions)  # [R, H_q, T]
-        cols = cols.view(R, H, -1, T).mean(2) if self.per_head else cache.layer_mean(cols).expand(R, H, T)
-        return cols * kernel.l1_norm(v) if self.value_norm else cols
+        cols = attention_column_sums(q, k, positions, self.scoring.decay).view(R, H, -1, T)  # [R, H_kv, G, T]
+        if self.scoring.value_norm:  # each query head's weights times its KV head's value norms, before any mean
+            cols = cols * kernel.l1_norm(v)[:, :, None]
+        return cols.mean(2) if self.per_head else cache.layer_mean(cols.view(R, -1, T)).expand(R, H, T)
+
+
+def kernel_keeps(scoring) -> dict[str, Kept]:
+    """What a KernelPolicy keeps for its scoring: ||v||_1 of every slot ("value_l1", which the kernel reads) and
+    the per-slot state ("state", which it updates)."""
+    keeps = {"value_l1": PerSlot(value_l1)} if scoring.value_norm else {}
+    return keeps | ({"state": Accumulated()} if scoring.keeps_state else {})
 
 
 @dataclass(frozen=True)
 class LongFlow(KernelPolicy):
     """LongFlow (Sun et al. 2025): argmin_i mean_h alpha[h, i] * ||v_i||_1 for the current query, one
     decision per layer as in the paper (per_head=True: per KV head, over its query group)."""
-    keeps = {"value_l1": PerSlot(value_l1)}
+    scoring = kernel.Scoring(value_norm=True)
 
 
 @dataclass(frozen=True)
 class TOVA(KernelPolicy):
     """TOVA (Oren et al. 2024): the current query's attention, averaged over the heads of the layer."""
+    scoring = kernel.Scoring()
 
 
 @dataclass(frozen=True)
@@ -297,7 +311,7 @@ class H2O(KernelPolicy):
     """H2O (Zhang et al. 2023): attention accumulated over every query so far, per head: from the column
     sums of the prompt's attention, then each step's; half the budget is the recent window."""
     per_head: bool = True
-    keeps = {"acc": Accumulated()}
+    scoring = kernel.Scoring(update="sum")
     window_share = 0.5
 
 
@@ -306,7 +320,15 @@ class VATP(H2O):
     """VATP (Guo et al. 2024): H2O's accumulated attention, each query's alpha times ||v_i||_1; the first 20
     tokens are sinks, half of the rest recent."""
     n_sink: int = 20
-    keeps = {"value_l1": PerSlot(value_l1), "acc": Accumulated()}
+    scoring = kernel.Scoring(value_norm=True, update="sum")
+
+
+@dataclass(frozen=True)
+class LongFlowEMA(KernelPolicy):
+    """LongFlow's score as an exponential moving average over the steps a token is held: state = 0.9 * state
+    + this step's mean_h alpha[h, i] * ||v_i||_1, from the prompt's attention as H2O's sum starts; one decision
+    per layer."""
+    scoring = kernel.Scoring(value_norm=True, update="ema", decay=0.9)
 
 
 @dataclass(frozen=True)
@@ -432,6 +454,7 @@ POLICIES = {
     "tova": TOVA(),
     "h2o": H2O(),
     "vatp": VATP(),
+    "longflow-ema": LongFlowEMA(),
     "streaming": Streaming(),
     "keydiff": KeyDiff(),
     "rkv": RKV(),
@@ -441,30 +464,19 @@ POLICIES = {
 POLICIES = {name: replace(p, name=name) for name, p in POLICIES.items()}
 
 
-# ---- the decision ---------------------------------------------------------------------------------------
-def argmin_slot(score, pos, p: Policy):
-    """The lowest-index empty slot, else the lowest score among unprotected slots; per KV head or, with
-    one decision per layer, on the mean over heads. score: [B, H_kv or 1, S]; pos: [B, H_kv, S]. Returns
-    [B, H_kv]."""
-    protected = kernel.protected_mask(pos, p.n_sink, p.window)
-    empty = pos < 0
-    if not p.per_head:  # every KV head holds the same tokens
-        score, protected, empty = score.mean(1, keepdim=True), protected[:, :1], empty[:, :1]
-    score = score.masked_fill(protected, float("inf")).masked_fill(empty, float("-inf"))
-    return score.argmin(-1).expand(pos.shape[:2])
-
-
 # ---- prompts: H2O's seed, and cutting a prompt that does not fit ----------------------------------------
-def attention_column_sums(q, k, positions, budget_bytes: int = 2**28):
-    """The causal softmax attention of every real prompt query, summed over the queries: [B, H_q, T] fp32
-    (padding queries count for nothing, padding keys get nothing). The logits in the model's dtype, as H2O's
-    reference computes them, the softmax in fp32. Queries go in chunks so that one chunk's fp32 scores
-    (logits, then weights, in place) stay within budget_bytes. q: [B, H_q, T, D]; k: [B, H_kv, T, D];
-    positions: [B, T]."""
+def attention_column_sums(q, k, positions, decay: float = 1.0, budget_bytes: int = 2**28):
+    """The causal softmax attention of every real prompt query, summed over the queries, each weighted by
+    decay^(the real queries after it): [B, H_q, T] fp32 (padding queries count for nothing, padding keys get
+    nothing). The logits in the model's dtype, as H2O's reference computes them, the softmax in fp32. Queries
+    go in chunks so that one chunk's fp32 scores (logits, then weights, in place) stay within budget_bytes.
+    q: [B, H_q, T, D]; k: [B, H_kv, T, D]; positions: [B, T], right-padded."""
     B, Hq, T, D = q.shape
     H = k.shape[1]
     q = q.view(B, H, Hq // H, T, D)  # each KV head's query group, so K is never repeated per query head
     eff = padding_last(positions)
+    after = (positions >= 0).sum(1, keepdim=True) - 1 - torch.arange(T, device=q.device)  # [B, T]
+    weight = torch.where(positions >= 0, decay ** after.clamp(min=0).float(), 0.0)  # [B, T]
     chunk = max(1, budget_bytes // (2 * 4 * B * Hq * T))  # two fp32 [B, H_q, chunk, T] at a time
     cols = q.new_zeros(B, H, Hq // H, T, dtype=torch.float32)
     for start in range(0, T, chunk):
@@ -472,7 +484,7 @@ def attention_column_sums(q, k, positions, budget_bytes: int = 2**28):
         logits = (q[:, :, :, part] @ k[:, :, None].transpose(-1, -2)).float() / D ** 0.5  # [B, H_kv, G, C, T]
         visible = eff[:, None, None, None, :] <= eff[:, None, None, part, None]  # [B, 1, 1, C, T]
         alpha = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
-        cols += alpha.mul_(positions[:, None, None, part, None] >= 0).sum(3)
+        cols += alpha.mul_(weight[:, None, None, part, None]).sum(3)
     return cols.view(B, Hq, T)
 
 

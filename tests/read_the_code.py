@@ -21,9 +21,8 @@ DECODE_STEP = [  # (file, the functions and classes read, in order)
     ("model.py", ["Transformer.forward", "Transformer.run", "Block.forward", "RMSNorm.forward", "Attention.forward", "rotate",
                   "MLP.forward"]),
     ("cache.py", ["KVCache.decode", "KVCache.as_stored", "KVCache.stored_tensors", "KVCache.attention"]),
-    ("policies.py", ["LongFlow", "KernelPolicy.value_norm", "KernelPolicy.accumulate", "KernelPolicy.attend",
-                     "PerSlot.write", "value_l1"]),
-    ("kernel.py", ["decode_attention_ref", "protected_mask", "l1_norm"]),
+    ("policies.py", ["LongFlow", "KernelPolicy.attend", "PerSlot.write", "value_l1"]),
+    ("kernel.py", ["decode_attention_ref", "choose_slot", "protected_mask", "l1_norm"]),
     ("sampling.py", ["Sampler.pick", "apply_penalty", "sample", "uniform_noise"]),
 ]
 

@@ -291,7 +291,7 @@ def test_h2o_keeps_a_token_that_was_attended_before_even_when_not_now():
     cache.layers[0].k[0, :, 5, 0] = -2.0  # now nobody attends slot 5 ...
     q2 = q.clone()
     assert 5 not in step(cache, q2, k, v, positions + 1)  # ... but its accumulated score keeps it
-    assert cache.layers[0].kept["acc"][0, :, 5].min() > cache.layers[0].kept["acc"][0, :, 6].max()
+    assert cache.layers[0].kept["state"][0, :, 5].min() > cache.layers[0].kept["state"][0, :, 6].max()
 
 
 def test_vatp_never_evicts_its_twenty_sinks():
@@ -470,8 +470,8 @@ def test_h2o_and_vatp_start_from_the_prompts_attention_column_sums(policy):
         if policy == "vatp":
             want = want * v[row, :, :n].abs().sum(-1)
         # fp32 sums of the same terms in another order: equal to rounding
-        assert torch.allclose(cache.layers[0].kept["acc"][row, :, :n], want, atol=1e-6)
-        assert (cache.layers[0].kept["acc"][row, :, n:] == 0).all()
+        assert torch.allclose(cache.layers[0].kept["state"][row, :, :n], want, atol=1e-6)
+        assert (cache.layers[0].kept["state"][row, :, n:] == 0).all()
 
 
 def test_column_sums_do_not_depend_on_the_query_chunk():
@@ -494,7 +494,7 @@ def test_h2o_compresses_a_long_prompt_by_its_accumulated_score(qwen3):
     assert set(range(90 - window, 90)) <= set(c.pos[0, 0].tolist())
     kept = c.pos[0, 0, :59]
     assert kept.tolist() == sorted(kept.tolist())  # prompt order
-    assert (c.kept["acc"][0, :, :59] > 0).all()  # seeded, not zero
+    assert (c.kept["state"][0, :, :59] > 0).all()  # seeded, not zero
 
 
 # ---- an FP8 cache ---------------------------------------------------------------------------------------------

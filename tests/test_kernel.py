@@ -16,6 +16,8 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 BOTH = pytest.mark.parametrize("fn", [kernel.decode_attention, kernel.decode_attention_ref], ids=["triton", "ref"])
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA: the interpreter gets bf16 wrong and cannot compile")
+SUM, EMA = kernel.Scoring(update="sum"), kernel.Scoring(value_norm=True, update="ema", decay=0.9)  # H2O; LongFlow-EMA
+UPDATES = pytest.mark.parametrize("scoring", [SUM, EMA], ids=["sum", "ema"])
 
 
 def make_inputs(B, H_q, H_kv, S, D, n_empty=0, seed=0, dtype=torch.float32):
@@ -61,7 +63,8 @@ def assert_same(got, want, atol=1e-5):
 @pytest.mark.parametrize("value_norm", [True, False])
 def test_reference_matches_the_longflow_formula(per_head, value_norm):
     q, k, v, pos = make_inputs(2, 4, 2, 13, 16, n_empty=3)
-    out, evict = kernel.decode_attention_ref(q, k, v, pos, per_head=per_head, value_norm=value_norm)
+    scoring = kernel.Scoring(value_norm=value_norm)
+    out, evict = kernel.decode_attention_ref(q, k, v, pos, per_head=per_head, scoring=scoring)
     want_out, score = direct_scores(q, k, v, pos, per_head, value_norm)
     torch.testing.assert_close(out.cpu().double(), want_out, atol=1e-5, rtol=1e-5)
     empty = (pos < 0).cpu() if per_head else (pos < 0).cpu().any(1, keepdim=True)
@@ -83,7 +86,7 @@ def test_kernel_matches_reference(B, H_q, H_kv, D, S, n_empty, per_head):
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
-@pytest.mark.parametrize("options", [dict(n_sink=4, window=8), dict(value_norm=False), dict(select=False)],
+@pytest.mark.parametrize("options", [dict(n_sink=4, window=8), dict(scoring=kernel.Scoring()), dict(select=False)],
                          ids=["sink_window", "tova", "no_select"])
 def test_kernel_matches_reference_with_options(options, per_head):
     args = make_inputs(2, 8, 2, 100, 64, n_empty=3, seed=1)
@@ -91,17 +94,18 @@ def test_kernel_matches_reference_with_options(options, per_head):
                 kernel.decode_attention_ref(*args, per_head=per_head, **options))
 
 
+@UPDATES
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
-def test_accumulated_scores_match_reference_over_steps(per_head):
+def test_accumulated_scores_match_reference_over_steps(per_head, scoring):
     _, k, v, pos = make_inputs(2, 8, 2, 50, 64, n_empty=4)
-    acc_triton, acc_ref = (torch.zeros(2, 2, 50, device=DEVICE) for _ in range(2))
+    state_triton, state_ref = (torch.zeros(2, 2, 50, device=DEVICE) for _ in range(2))
     for step in range(3):
         q = make_inputs(2, 8, 2, 50, 64, seed=10 + step)[0]
-        got = kernel.decode_attention(q, k, v, pos, per_head=per_head, n_sink=2, acc=acc_triton)
-        want = kernel.decode_attention_ref(q, k, v, pos, per_head=per_head, n_sink=2, acc=acc_ref)
+        got = kernel.decode_attention(q, k, v, pos, per_head=per_head, n_sink=2, scoring=scoring, state=state_triton)
+        want = kernel.decode_attention_ref(q, k, v, pos, per_head=per_head, n_sink=2, scoring=scoring, state=state_ref)
         assert_same(got, want)
-        torch.testing.assert_close(acc_triton, acc_ref, atol=1e-6, rtol=1e-5)
-    assert acc_ref.sum() > 0
+        torch.testing.assert_close(state_triton, state_ref, atol=1e-6, rtol=1e-5)
+    assert state_ref.sum() > 0
 
 
 @pytest.mark.parametrize("value_norm", [True, False], ids=["longflow", "tova"])
@@ -111,24 +115,25 @@ def test_partial_scores_are_what_the_decision_is_taken_on(B, H_q, H_kv, D, S, n_
     mask: the kernel's equals the reference's, and masked as the kernel masks it, its argmin is the slot the
     kernel picks when it decides alone."""
     args = make_inputs(B, H_q, H_kv, S, D, n_empty)
-    options = dict(value_norm=value_norm, n_sink=4, window=8)
+    options = dict(scoring=kernel.Scoring(value_norm=value_norm), n_sink=4, window=8)
     out, part = kernel.decode_attention(*args, partial=True, **options)
     want_out, want_part = kernel.decode_attention_ref(*args, partial=True, **options)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(part, want_part, atol=1e-7, rtol=1e-5)  # the same sum, in another order
     pos = args[3]
     assert part.shape == (B, S) and (part[(pos < 0).all(1)] == 0).all()  # a slot empty in every head scores 0
-    masked = want_part.masked_fill(kernel.protected_mask(pos, 4, 8).any(1), math.inf).masked_fill((pos < 0).any(1), -math.inf)
+    protected, empty = kernel.protected_mask(pos, 4, 8).any(1), (pos < 0).any(1)
+    masked = want_part.masked_fill(protected, math.inf).masked_fill(empty, -math.inf)
     _, evict = kernel.decode_attention(*args, **options)
     assert torch.equal(evict, masked.argmin(-1)[:, None].expand(B, H_kv))
 
 
 def test_partial_scores_are_refused_with_acc_or_without_select_and_by_the_kernel_per_head():
     args = make_inputs(1, 4, 2, 40, 64)
-    acc = torch.zeros(1, 2, 40, device=DEVICE)
+    state = torch.zeros(1, 2, 40, device=DEVICE)
     for fn in (kernel.decode_attention, kernel.decode_attention_ref):
-        for options in (dict(acc=acc), dict(select=False)):
-            with pytest.raises(ValueError, match="no acc"):
+        for options in (dict(scoring=SUM, state=state), dict(select=False)):
+            with pytest.raises(ValueError, match="no state"):
                 fn(*args, partial=True, **options)
     with pytest.raises(ValueError, match="per layer"):
         kernel.decode_attention(*args, per_head=True, partial=True)
@@ -172,9 +177,9 @@ def test_stored_value_norms_are_the_ones_scored(per_head):
 
 def test_select_false_returns_minus_one_and_leaves_acc_alone():
     args = make_inputs(1, 4, 2, 40, 64)
-    acc = torch.ones(1, 2, 40, device=DEVICE)
-    _, evict = kernel.decode_attention(*args, select=False, acc=acc)
-    assert evict.dtype == torch.int64 and (evict == -1).all() and (acc == 1).all()
+    state = torch.ones(1, 2, 40, device=DEVICE)
+    _, evict = kernel.decode_attention(*args, select=False, scoring=SUM, state=state)
+    assert evict.dtype == torch.int64 and (evict == -1).all() and (state == 1).all()
 
 
 @BOTH
@@ -219,7 +224,7 @@ def test_full_cache_evicts_the_slot_with_zero_value(fn, per_head):
 def test_ties_go_to_the_lowest_slot(fn, per_head):
     q, k, v, pos = hand_made(S=2101)  # every slot scores the same, over several blocks of the select loop
     assert fn(q, k, v, pos, per_head=per_head)[1].tolist() == [[0, 0]]
-    assert fn(q, k, v, pos, per_head=per_head, value_norm=False)[1].tolist() == [[0, 0]]
+    assert fn(q, k, v, pos, per_head=per_head, scoring=kernel.Scoring())[1].tolist() == [[0, 0]]
 
 
 @BOTH
@@ -291,20 +296,21 @@ def test_all_empty_but_one(chunked, per_head, full):
     torch.testing.assert_close(got[0], v[:, :, full].repeat_interleave(4, 1))  # attends to the one full slot
 
 
+@UPDATES
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
-def test_accumulated_scores_over_chunks(chunked, per_head):
-    """Several chunks, 3 KV heads (padded to 4 rows), sink and window, and an acc far below zero, so every
+def test_accumulated_scores_over_chunks(chunked, per_head, scoring):
+    """Several chunks, 3 KV heads (padded to 4 rows), sink and window, and a state far below zero, so every
     score compared stays negative (negative floats must order correctly in the packed keys)."""
     _, k, v, pos = make_inputs(2, 6, 3, 100, 64, n_empty=3, seed=4)
-    acc_triton = -(1 + torch.rand(2, 3, 100, generator=torch.Generator().manual_seed(5)).to(DEVICE)) * 10
-    acc_ref = acc_triton.clone()
+    state_triton = -(1 + torch.rand(2, 3, 100, generator=torch.Generator().manual_seed(5)).to(DEVICE)) * 10
+    state_ref = state_triton.clone()
     for step in range(2):
         q = make_inputs(2, 6, 3, 100, 64, seed=20 + step)[0]
         options = dict(per_head=per_head, n_sink=3, window=4)
-        assert_same(kernel.decode_attention(q, k, v, pos, acc=acc_triton, **options),
-                    kernel.decode_attention_ref(q, k, v, pos, acc=acc_ref, **options))
-        torch.testing.assert_close(acc_triton, acc_ref, atol=1e-6, rtol=1e-5)
-    assert acc_ref.max() < 0  # still negative after both steps
+        assert_same(kernel.decode_attention(q, k, v, pos, scoring=scoring, state=state_triton, **options),
+                    kernel.decode_attention_ref(q, k, v, pos, scoring=scoring, state=state_ref, **options))
+        torch.testing.assert_close(state_triton, state_ref, atol=1e-6, rtol=1e-5)
+    assert state_ref.max() < 0  # still negative after both steps
 
 
 # torch.compile hands a user kernel's float arguments to Triton as fp64 and its ints possibly as int64; the
@@ -348,21 +354,23 @@ FRONTEND = textwrap.dedent("""
 
     torch.library.wrap_triton = Frontend
     q, k, v = torch.zeros(1, 8, 64), torch.zeros(1, 2, 300, 64), torch.zeros(1, 2, 300, 64)
-    pos, acc = torch.zeros(1, 2, 300), torch.zeros(1, 2, 300)
+    pos, state = torch.zeros(1, 2, 300), torch.zeros(1, 2, 300)
     split_count = kernel._split_count
-    for kw in [{}, dict(per_head=True, n_sink=2, window=3, acc=acc), dict(n_sink=2, acc=acc),
-               dict(select=False), dict(per_head=True, value_norm=False), dict(vnorm=acc)]:
+    SUM, EMA = kernel.Scoring(update="sum"), kernel.Scoring(value_norm=True, update="ema", decay=0.9)
+    for kw in [{}, dict(per_head=True, n_sink=2, window=3, scoring=SUM, state=state),
+               dict(n_sink=2, scoring=SUM, state=state), dict(per_head=True, scoring=EMA, state=state),
+               dict(select=False), dict(per_head=True, scoring=kernel.Scoring()), dict(vnorm=state)]:
         for kernel._split_count in (split_count, lambda *_: 1):
             kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pos.int(), **kw)
 """)
 
 
-@pytest.mark.skipif(CUDA, reason="on a GPU test_compiles_with_fullgraph_and_updates_acc compiles for real")
+@pytest.mark.skipif(CUDA, reason="on a GPU test_compiles_with_fullgraph_and_updates_the_state compiles for real")
 def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.abspath(kernel.__file__)))
     run = subprocess.run([sys.executable, "-c", FRONTEND], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split().count("_attend_kernel") == 12 and run.stdout.split().count("_finish_kernel") == 11
+    assert run.stdout.split().count("_attend_kernel") == 14 and run.stdout.split().count("_finish_kernel") == 13
 
 
 @pytest.mark.skipif(CUDA, reason="where CUDA is, the kernels can launch")
@@ -397,12 +405,14 @@ def test_bf16_matches_reference_within_tolerance(B, S, per_head):
 
 
 @gpu_only
-def test_compiles_with_fullgraph_and_updates_acc():
+@UPDATES
+def test_compiles_with_fullgraph_and_updates_the_state(scoring):
     q, k, v, pos = make_inputs(2, 8, 2, 300, 128, n_empty=5)
-    step = torch.compile(lambda q, acc: kernel.decode_attention(q, k, v, pos, acc=acc), fullgraph=True)
-    acc, acc_ref = torch.zeros(2, 2, 300, device=DEVICE), torch.zeros(2, 2, 300, device=DEVICE)
-    assert_same(step(q, acc), kernel.decode_attention_ref(q, k, v, pos, acc=acc_ref))
-    torch.testing.assert_close(acc, acc_ref)
+    step = torch.compile(lambda q, state: kernel.decode_attention(q, k, v, pos, scoring=scoring, state=state),
+                         fullgraph=True)
+    state, state_ref = torch.ones(2, 2, 300, device=DEVICE), torch.ones(2, 2, 300, device=DEVICE)
+    assert_same(step(q, state), kernel.decode_attention_ref(q, k, v, pos, scoring=scoring, state=state_ref))
+    torch.testing.assert_close(state, state_ref)
 
 
 @pytest.mark.parametrize("B, S", [(1, 300), (3, 70)])  # split and not split
@@ -445,7 +455,8 @@ def fp8_inputs(*shape, n_empty=0, seed=0, dtype=torch.float32):
 def test_fp8_kernel_matches_reference(B, H_q, H_kv, D, S, n_empty, per_head):
     args, scales = fp8_inputs(B, H_q, H_kv, S, D, n_empty=n_empty)
     vnorm = kernel.l1_norm(kernel.dequantize(args[2], scales["v_scale"]))
-    for options in (dict(), dict(vnorm=vnorm), dict(n_sink=4, window=8), dict(value_norm=False), dict(select=False)):
+    for options in (dict(), dict(vnorm=vnorm), dict(n_sink=4, window=8), dict(scoring=kernel.Scoring()),
+                    dict(select=False)):
         assert_same(kernel.decode_attention(*args, per_head=per_head, **scales, **options),
                     kernel.decode_attention_ref(*args, per_head=per_head, **scales, **options))
 

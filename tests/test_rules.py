@@ -11,7 +11,7 @@ A new policy gets these tests by registering in policies.POLICIES and adding its
 The cache is driven directly (one layer, no model), on the CPU through the kernel's PyTorch reference.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable
 
@@ -32,12 +32,18 @@ EVICTING = [name for name, p in POLICIES.items() if p.evicts]
 class Spec:
     """A policy as its paper defines it. score(k, v, pos, q, now, recent, layer) takes the layer's keys and
     values [B, H_kv, S, D], positions [B, H_kv, S] (-1: empty), this step's queries [B, H_q, D], the newest
-    position [B], the last 8 queries [B, H_q, 8, D] and the layer, and returns the score of every slot
-    (lowest goes): [B, H_kv, S], or [B, 1, S] for one score of the layer. The protections are at S slots."""
+    position [B], the last 8 queries [B, H_q, 8, D] and the layer, and returns this step's score of every
+    slot: [B, H_kv, S], or [B, 1, S] for one score of the layer. With an update the slot goes by a state
+    instead (lowest goes), which starts at 0 for a new token and, for the prompt's tokens, as if each prompt
+    query had been a step (prompt_state):
+        "sum"  state = state + score            "ema"  state = decay * state + score
+    The protections are at S slots."""
     score: Callable
     per_head: bool = False  # one decision per KV head, else one per layer
     n_sink: int = 0
     window: int = 0
+    update: str = "none"
+    decay: float = 1.0
 
 
 def alpha(q, k, pos):
@@ -73,11 +79,14 @@ SPECS = {
     "longflow-head": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2), per_head=True),
     # TOVA: mean over every query head of alpha_i
     "tova": Spec(lambda k, v, pos, q, *_: alpha(q, k, pos).mean((1, 2))[:, None]),
-    # H2O and VATP accumulate this step's score over every step a token is held (ACCUMULATING); H2O keeps
-    # half the budget recent, VATP 20 sinks and half of the rest recent
-    "h2o": Spec(lambda k, v, pos, q, *_: alpha(q, k, pos).mean(2), per_head=True, window=S // 2),
+    # H2O and VATP sum this step's score over every step a token is held; H2O keeps half the budget recent,
+    # VATP 20 sinks and half of the rest recent
+    "h2o": Spec(lambda k, v, pos, q, *_: alpha(q, k, pos).mean(2), per_head=True, window=S // 2, update="sum"),
     "vatp": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2), per_head=True, n_sink=20,
-                 window=(S - 20) // 2),
+                 window=(S - 20) // 2, update="sum"),
+    # LongFlow's score as an exponential moving average over the steps a token is held
+    "longflow-ema": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None], update="ema",
+                         decay=0.9),
     # StreamingLLM: 4 sinks, then the oldest goes
     "streaming": Spec(lambda k, v, pos, *_: pos.float(), n_sink=4),
     # KeyDiff: the key most cosine-similar to the mean of the held keys' unit vectors goes
@@ -91,17 +100,22 @@ SPECS = {
     # Knorm: the largest key norm goes
     "knorm": Spec(lambda k, v, pos, *_: -k.norm(dim=-1), per_head=True),
 }
-ACCUMULATING = {"h2o", "vatp"}
 
 
-def prompt_column_sums(q, k, v, name):
-    """H2O / VATP's score of each prompt token after the prompt: the causal attention every prompt query
-    gave it, summed over the queries, averaged over the KV head's query group (times ||v||_1 for VATP)."""
+def updated(spec, state, score):
+    return state + score if spec.update == "sum" else spec.decay * state + score
+
+
+def prompt_state(spec, q, k, v, layer):
+    """The state of each prompt token after a prompt q [B, H_q, T, D], k, v [B, H_kv, T, D]: each prompt query
+    t in turn as a step, over the tokens up to t (H2O's column sums of the prompt's causal attention)."""
     T = k.shape[2]
-    logits = torch.einsum("bhgtd,bhsd->bhgts", q.view(B, H_KV, -1, T, D), k) / math.sqrt(D)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    cols = logits.masked_fill(~causal, -math.inf).softmax(-1).sum(3).mean(2)  # [B, H_kv, T]
-    return cols * v.abs().sum(-1) if name == "vatp" else cols
+    state = torch.zeros(B, H_KV, T)
+    for t in range(T):
+        pos = torch.where(torch.arange(T) <= t, torch.arange(T), -1).expand(B, H_KV, T)
+        recent = q[:, :, max(0, t - 7):t + 1]
+        state = updated(spec, state, spec.score(k, v, pos, q[:, :, t], torch.full((B,), t), recent, layer))
+    return state
 
 
 # ---- a run: a prompt that fills the cache, then decode steps that evict -------------------------------
@@ -114,19 +128,19 @@ def run(name, steps=12, seed=0):
     q, k, v = torch.randn(B, H_Q, T, D) * 2, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
     cache.prefill(c, q, k, v, torch.arange(T).expand(B, T), torch.arange(B))
     queries = [q[:, :, t] for t in range(T)]
-    acc = torch.zeros(B, H_KV, S)
-    if name in ACCUMULATING:
-        acc[:, :, :T] = prompt_column_sums(q, k, v, name)
+    spec, state = SPECS[name], torch.zeros(B, H_KV, S)
+    if spec.update != "none":
+        state[:, :, :T] = prompt_state(spec, q, k, v, c)
     for t in range(T, T + steps):
         qt, kt, vt = torch.randn(B, H_Q, D) * 2, torch.randn(B, H_KV, D), torch.randn(B, H_KV, D)
         slot = c.next_slot.clone()
         cache.decode(c, qt, kt, vt, torch.full((B,), t))
         queries.append(qt)
         recent = torch.stack(queries[-8:], 2)
-        if name in ACCUMULATING:
-            acc.scatter_(2, slot[..., None], 0.0)  # the new token starts from nothing
-            acc += SPECS[name].score(c.k, c.v, c.pos, qt, None, recent, c)
-        yield cache, c, qt, t, recent, acc
+        if spec.update != "none":
+            state.scatter_(2, slot[..., None], 0.0)  # the new token starts from nothing
+            state = updated(spec, state, spec.score(c.k, c.v, c.pos, qt, None, recent, c))
+        yield cache, c, qt, t, recent, state
 
 
 def protected(pos, p):
@@ -153,6 +167,8 @@ def test_every_registered_policy_has_its_formula_here():
 def test_each_policy_decides_and_protects_as_its_paper_says(name):
     p, spec = resolve_policy(name, S), SPECS[name]
     assert (p.per_head, p.n_sink, p.window) == (spec.per_head, spec.n_sink, spec.window)
+    scoring = getattr(p, "scoring", None)  # a rule the fused kernel scores declares its update there
+    assert (scoring.update, scoring.decay) == (spec.update, spec.decay) if scoring else spec.update == "none"
 
 
 @pytest.mark.parametrize("name", EVICTING)
@@ -166,11 +182,12 @@ def test_each_evicted_slot_is_the_argmin_of_the_declared_score(name):
 @pytest.mark.parametrize("name", EVICTING)
 def test_the_declared_score_is_the_papers_formula(name):
     """fp32 on both sides, summed in other orders: equal to rounding."""
-    for cache, c, q, t, recent, acc in run(name):
+    for cache, c, q, t, recent, state in run(name):
         p = cache.policy
         now = torch.full((B,), t)
         got = p.score(cache.with_values(c), q, now)
-        want = acc if name in ACCUMULATING else SPECS[name].score(c.k, c.v, c.pos, q, now, recent, c)
+        want = state[:, :got.shape[1]] if SPECS[name].update != "none" else \
+            SPECS[name].score(c.k, c.v, c.pos, q, now, recent, c)
         ranked = ((c.pos >= 0) & ~protected(c.pos, cache.policy))[:, :got.shape[1]]  # what the argmin compares
         torch.testing.assert_close(got.expand_as(want)[ranked], want.expand_as(got)[ranked], rtol=1e-5, atol=1e-6,
                                    msg=f"{name} at position {t}")
@@ -178,15 +195,15 @@ def test_the_declared_score_is_the_papers_formula(name):
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_what_a_policy_keeps_matches_a_recomputation_from_the_slots(name):
-    for cache, c, q, t, recent, acc in run(name):
+    for cache, c, q, t, recent, state in run(name):
         held = c.pos >= 0
         for what, kept in cache.policy.keeps.items():
             value, kept_now = kept.recompute(cache.with_values(c)), c.kept[what]
             if isinstance(kept, RecentQueries):  # the last 8 queries, at column position % 8
                 for back in range(8):
                     assert torch.equal(kept_now[:, :, (t - back) % 8], recent[:, :, 7 - back]), what
-            elif what == "acc":
-                torch.testing.assert_close(kept_now[held], acc[held], rtol=1e-5, atol=1e-6)  # fp32, other order
+            elif what == "state":
+                torch.testing.assert_close(kept_now[held], state[held], rtol=1e-5, atol=1e-6)  # fp32, other order
             elif value.shape == held.shape:  # a value per slot, written with the token: exact
                 assert torch.equal(kept_now[held], value[held]), what
             else:  # a running sum, one key in and one out per step: fp32 rounding accumulates
@@ -203,8 +220,8 @@ def test_prompt_compression_by_the_policy_keeps_the_top_of_its_prompt_score(name
     positions = torch.arange(T).expand(B, T)
     pos = positions[:, None].expand(B, H_KV, T)
     score = p.prompt_score(c, q, k, v, pos, p.prompt_seed(cache, q, k, v, positions))
-    # its score over the prompt is the paper's, with the last prompt query (H2O, VATP: the prompt's attention)
-    spec = prompt_column_sums(q, k, v, name) if name in ACCUMULATING else \
+    # its score over the prompt is the paper's, with the last prompt query (with an update: the prompt's state)
+    spec = prompt_state(SPECS[name], q, k, v, c)[:, :score.shape[1]] if SPECS[name].update != "none" else \
         SPECS[name].score(k, v, pos, q[:, :, -1], torch.full((B,), T - 1), q[:, :, -8:], c)
     ranked = ~protected(pos, p)[:, :score.shape[1]]
     torch.testing.assert_close(score.expand_as(spec)[ranked], spec.expand_as(score)[ranked], rtol=1e-5, atol=1e-6)
@@ -246,3 +263,18 @@ def test_the_memory_planner_counts_exactly_what_the_cache_allocates(name):
         tensors = (c.k, c.v, c.pos, *scales, *c.kept.values())
         assert KVCache.bytes_needed(CFG, B, S, torch.float32, p, kv_dtype) == \
             sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_per_layer_value_weighted_state_starts_from_every_heads_alpha_times_its_own_value_norm():
+    """A rule deciding per layer that sums alpha * ||v||_1 (VATP per layer) seeds each prompt token with the
+    mean over every query head of its column sum times the value norm of that head's KV head: the layer mean
+    comes after the product, as in each decode step (KV heads hold different values)."""
+    torch.manual_seed(3)
+    p = replace(resolve_policy("vatp", S), per_head=False)
+    cache = KVCache(CFG, B, S, "cpu", torch.float32, p)
+    T = 20
+    q, k, v = torch.randn(B, H_Q, T, D) * 2, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
+    spec = Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None], update="sum")
+    want = prompt_state(spec, q, k, v, cache.layers[0])  # [B, 1, T]
+    got = p.prompt_seed(cache, q, k, v, torch.arange(T).expand(B, T))  # [B, H_kv, T], every column the layer's
+    torch.testing.assert_close(got, want.expand(B, H_KV, T), rtol=1e-5, atol=1e-6)  # fp32, summed in other orders
