@@ -360,6 +360,35 @@ def cosine_to(c, direction):
     return dots / c.kept["key_norm"].clamp(min=1e-30)
 
 
+@dataclass(frozen=True)
+class SnapKVDecode(Policy):
+    """Decode-time SnapKV (kvpress's DecodingPress around SnapKVPress; strongest with H2O on reasoning models in
+    arXiv 2512.12008), one eviction per step, per KV head: the slot with the least attention summed over the last
+    32 queries (recent_attention); those 32 tokens stay."""
+    per_head: bool = True
+    window: int = SNAPKV_WINDOW
+    keeps = {"queries": RecentQueries(SNAPKV_WINDOW)}
+
+    def score(self, c, q, now):
+        return recent_attention(c, now)
+
+
+def recent_attention(c, now):
+    """The attention the last W queries (the current one included; c.kept["queries"], a ring at column position
+    % W) gave each slot, summed over the queries, averaged over each KV head's query group: [B, H_kv, S] fp32. Each
+    query's softmax runs over the held slots it could see (positions up to its own), its logits in the model's
+    dtype as SnapKV's reference computes them. No pooling over neighbours: slots hold no order. now: [B]."""
+    B, H, S, D = c.k.shape
+    queries = c.kept["queries"]  # [B, H_q, W, D]
+    W = queries.shape[2]
+    col = torch.arange(W, device=now.device)
+    asked = now[:, None] - (now[:, None] - col) % W  # [B, W] the position of each column's query (< 0: none yet)
+    logits = (queries.view(B, H, -1, D) @ c.k.transpose(-1, -2)).view(B, H, -1, W, S).float() / D ** 0.5
+    seen = (c.pos[:, :, None, None, :] >= 0) & (c.pos[:, :, None, None, :] <= asked[:, None, None, :, None])
+    alpha = logits.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)  # [B, H_kv, G, W, S]
+    return alpha.sum(3).mean(2)
+
+
 # R-KV (Zefan-Cai/R-KV, rkv/compression/r1_kv.py and rkv/utils.py): importance from the last 8 queries,
 # max-pooled over 7 neighbouring tokens; the paper's mixing weight lambda = 0.1 (the code defaults to 0.07)
 RKV_QUERIES, RKV_POOL, RKV_LAMBDA = 8, 7, 0.1
@@ -458,6 +487,7 @@ POLICIES = {
     "streaming": Streaming(),
     "keydiff": KeyDiff(),
     "rkv": RKV(),
+    "snapkv-decode": SnapKVDecode(),
     "random": Random(),
     "knorm": KNorm(),
 }

@@ -32,7 +32,7 @@ EVICTING = [name for name, p in POLICIES.items() if p.evicts]
 class Spec:
     """A policy as its paper defines it. score(k, v, pos, q, now, recent, layer) takes the layer's keys and
     values [B, H_kv, S, D], positions [B, H_kv, S] (-1: empty), this step's queries [B, H_q, D], the newest
-    position [B], the last 8 queries [B, H_q, 8, D] and the layer, and returns this step's score of every
+    position [B], the last 32 queries [B, H_q, 32, D] and the layer, and returns this step's score of every
     slot: [B, H_kv, S], or [B, 1, S] for one score of the layer. With an update the slot goes by a state
     instead (lowest goes), which starts at 0 for a new token and, for the prompt's tokens, as if each prompt
     query had been a step (prompt_state):
@@ -61,6 +61,7 @@ def rkv_formula(k, v, pos, q, now, recent, layer):
     protected); importance from the whole query group's max logit, pooled over 7 neighbours in position
     order; redundancy from the full cosine matrix, each key's mean similarity to the other held keys."""
     scored = (pos >= 0) & (pos <= now[:, None, None] - 8)
+    recent = recent[:, :, -8:]
     logits = torch.einsum("bhgwd,bhsd->bhgws", recent.view(B, H_KV, -1, 8, D), k).amax(2) / math.sqrt(D)
     importance = logits.masked_fill(~scored[:, :, None], -math.inf).softmax(-1).nan_to_num(0).mean(2)
     order = pos.argsort(-1)
@@ -71,6 +72,17 @@ def rkv_formula(k, v, pos, q, now, recent, layer):
     mean_cos = (cos.sum(-1) - 1) / ((pos >= 0).sum(-1, keepdim=True) - 1)
     redundancy = mean_cos.masked_fill(~scored, -math.inf).softmax(-1).nan_to_num(0)
     return 0.1 * importance - 0.9 * redundancy
+
+
+def snapkv_decode_formula(k, v, pos, q, now, recent, layer):
+    """Decode-time SnapKV: per KV head, the softmax attention each of the last 32 queries (the current one
+    the newest) gives the held slots it could see (positions up to its own), summed over the queries, the mean
+    over the query group; the last 32 tokens are protected."""
+    W = recent.shape[2]
+    asked = now[:, None] - W + 1 + torch.arange(W)  # [B, W] the queries' positions, oldest first
+    logits = torch.einsum("bhgwd,bhsd->bhgws", recent.view(B, H_KV, -1, W, D), k) / math.sqrt(D)
+    seen = (pos[:, :, None, None, :] >= 0) & (pos[:, :, None, None, :] <= asked[:, None, None, :, None])
+    return logits.masked_fill(~seen, -math.inf).softmax(-1).nan_to_num(0).sum(3).mean(2)
 
 
 SPECS = {
@@ -93,6 +105,7 @@ SPECS = {
     "keydiff": Spec(lambda k, v, pos, *_: -F.cosine_similarity(
         k, (F.normalize(k, dim=-1) * (pos >= 0)[..., None]).sum(2, keepdim=True), dim=-1), per_head=True),
     "rkv": Spec(rkv_formula, per_head=True, window=8),
+    "snapkv-decode": Spec(snapkv_decode_formula, per_head=True, window=32),
     # random: a hash of (position, layer, KV head) and of the step, so every step draws afresh
     "random": Spec(lambda k, v, pos, q, now, recent, layer: (hash32(
         hash32(pos.long() * 0x9E3779B1 + layer.index * 0x85EBCA77 + layer.heads[:, None])
@@ -113,7 +126,7 @@ def prompt_state(spec, q, k, v, layer):
     state = torch.zeros(B, H_KV, T)
     for t in range(T):
         pos = torch.where(torch.arange(T) <= t, torch.arange(T), -1).expand(B, H_KV, T)
-        recent = q[:, :, max(0, t - 7):t + 1]
+        recent = q[:, :, max(0, t - 31):t + 1]
         state = updated(spec, state, spec.score(k, v, pos, q[:, :, t], torch.full((B,), t), recent, layer))
     return state
 
@@ -121,7 +134,7 @@ def prompt_state(spec, q, k, v, layer):
 # ---- a run: a prompt that fills the cache, then decode steps that evict -------------------------------
 def run(name, steps=12, seed=0):
     """Prefill S - 1 random tokens, then decode `steps` more; yields after each step (cache, layer, the
-    step's queries, its position, the last 8 queries [B, H_q, 8, D], the accumulated formula by slot)."""
+    step's queries, its position, the last 32 queries [B, H_q, 32, D], the spec's state by slot)."""
     torch.manual_seed(seed)
     cache = KVCache(CFG, B, S, "cpu", torch.float32, resolve_policy(name, S))
     c, T = cache.layers[0], S - 1
@@ -136,7 +149,7 @@ def run(name, steps=12, seed=0):
         slot = c.next_slot.clone()
         cache.decode(c, qt, kt, vt, torch.full((B,), t))
         queries.append(qt)
-        recent = torch.stack(queries[-8:], 2)
+        recent = torch.stack(queries[-32:], 2)
         if spec.update != "none":
             state.scatter_(2, slot[..., None], 0.0)  # the new token starts from nothing
             state = updated(spec, state, spec.score(c.k, c.v, c.pos, qt, None, recent, c))
@@ -199,9 +212,9 @@ def test_what_a_policy_keeps_matches_a_recomputation_from_the_slots(name):
         held = c.pos >= 0
         for what, kept in cache.policy.keeps.items():
             value, kept_now = kept.recompute(cache.with_values(c)), c.kept[what]
-            if isinstance(kept, RecentQueries):  # the last 8 queries, at column position % 8
-                for back in range(8):
-                    assert torch.equal(kept_now[:, :, (t - back) % 8], recent[:, :, 7 - back]), what
+            if isinstance(kept, RecentQueries):  # the last n queries, at column position % n
+                for back in range(kept.n):
+                    assert torch.equal(kept_now[:, :, (t - back) % kept.n], recent[:, :, -1 - back]), what
             elif what == "state":
                 torch.testing.assert_close(kept_now[held], state[held], rtol=1e-5, atol=1e-6)  # fp32, other order
             elif value.shape == held.shape:  # a value per slot, written with the token: exact
@@ -222,7 +235,7 @@ def test_prompt_compression_by_the_policy_keeps_the_top_of_its_prompt_score(name
     score = p.prompt_score(c, q, k, v, pos, p.prompt_seed(cache, q, k, v, positions))
     # its score over the prompt is the paper's, with the last prompt query (with an update: the prompt's state)
     spec = prompt_state(SPECS[name], q, k, v, c)[:, :score.shape[1]] if SPECS[name].update != "none" else \
-        SPECS[name].score(k, v, pos, q[:, :, -1], torch.full((B,), T - 1), q[:, :, -8:], c)
+        SPECS[name].score(k, v, pos, q[:, :, -1], torch.full((B,), T - 1), q[:, :, -32:], c)
     ranked = ~protected(pos, p)[:, :score.shape[1]]
     torch.testing.assert_close(score.expand_as(spec)[ranked], spec.expand_as(score)[ranked], rtol=1e-5, atol=1e-6)
     score = score.expand(B, H_KV, T) if p.per_head else score.mean(1, keepdim=True).expand(B, H_KV, T)
