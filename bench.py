@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import fp8
 import kernel
 from cache import KV_DTYPES, KVCache, Layer
-from policies import POLICIES, RecentQueries, resolve_policy
+from policies import POLICIES, KernelPolicy, RecentQueries, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, pick_device, sync_time
 from memory import PREFILL_TOKENS, batch_that_fits, device_free_bytes, pick_batch
@@ -152,8 +152,9 @@ def graph_time_in_turn(calls: list, reps: int = 20) -> float:
 
 # ---- the fused kernel --------------------------------------------------------------------------------
 def bench_kernel(args, hw: Machine, _):
-    """Attention over S full slots, Qwen3-8B heads: Triton with / without selection, against SDPA. Several
-    input sets rotate so that small batches are not served from the 60 MB L2 cache."""
+    """Attention over S full slots, Qwen3-8B heads: each rule the fused kernel scores (--policy, default all),
+    attention alone and SDPA. Several input sets rotate so that small batches are not served from the 60 MB L2
+    cache."""
     Hq, Hkv, D, S = 32, 8, 128, args.slots
     rows = []
     for B in args.batch:
@@ -164,23 +165,21 @@ def bench_kernel(args, hw: Machine, _):
                  torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16),
                  torch.arange(S, device="cuda", dtype=torch.int32).expand(B, Hkv, S).contiguous())
                 for _ in range(n_sets)]
-        sets = [(*s, kernel.l1_norm(s[2])) for s in sets]  # + ||v||_1 per slot, as the cache keeps it
-        vnorm_bytes = B * Hkv * S * 4
-        variants = {  # name: (call, bytes read beyond K, V and positions)
-            "longflow": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, vnorm=n), vnorm_bytes),
-            "longflow-head": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, per_head=True, vnorm=n),
-                              vnorm_bytes),
-            "tova (no value norm)": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, scoring=kernel.Scoring()), 0),
-            "no selection": (lambda q, k, v, p, n: kernel.decode_attention(q, k, v, p, select=False), 0),
-            "torch SDPA": (lambda q, k, v, p, n: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True),
-                           0),
+        # + ||v||_1 per slot, as the cache keeps it, and a per-slot state for the rules that keep one
+        sets = [(*s, kernel.l1_norm(s[2]), torch.zeros(B, Hkv, S, device="cuda")) for s in sets]
+        variants = {name: kernel_rule_call(POLICIES[name], B * Hkv * S) for name in kernel_rules(args)}
+        variants |= {  # name: (call, bytes read beyond K, V and positions)
+            "no selection": (lambda q, k, v, p, n, st: kernel.decode_attention(q, k, v, p, select=False), 0),
+            "torch SDPA": (lambda q, k, v, p, n, st: F.scaled_dot_product_attention(q[:, :, None], k, v,
+                                                                                     enable_gqa=True), 0),
         }
         # an FP8 cache: K and V as e4m3 bits (half the bytes) and an fp32 scale per slot for each, and the bound
         # on each row's value scales, computed once as the cache keeps it (not in the timed call)
-        fp8_sets = [(q, *kernel.quantize(k), *kernel.quantize(v), p, n) for q, k, v, p, n in sets]
+        fp8_sets = [(q, *kernel.quantize(k), *kernel.quantize(v), p, n) for q, k, v, p, n, _ in sets]
         fp8_sets = [(*s, s[4].amax(-1)) for s in fp8_sets]  # + v_top [B, H_kv]
         fp8 = lambda q, k, ks, v, vs, p, n, top, **kw: kernel.decode_attention(q, k, v, p, vnorm=n, k_scale=ks,
                                                                                  v_scale=vs, v_top=top, **kw)
+        vnorm_bytes = B * Hkv * S * 4
         fp8_bytes = 2 * B * Hkv * S * D + B * Hkv * S * (4 + 4 + 8)  # K, V e4m3; positions, ||v||_1, 2 scales
         fp8_variants = {"longflow fp8": (fp8, fp8_bytes - kv_bytes),
                         "no selection fp8": (lambda *a: fp8(*a, select=False), fp8_bytes - kv_bytes - vnorm_bytes)}
@@ -195,6 +194,22 @@ def bench_kernel(args, hw: Machine, _):
                 base = us["no selection fp8"] if r["variant"].endswith(" fp8") else us["no selection"]
                 r["vs_no_selection"] = r["us"] / base - 1
                 finished(r)
+
+
+def kernel_rules(args) -> list[str]:
+    """The rules `bench.py kernel` times: --policy, or every rule the fused kernel scores."""
+    given = args.policy != ["longflow", "full"]
+    return args.policy if given else [name for name, p in POLICIES.items() if isinstance(p, KernelPolicy)]
+
+
+def kernel_rule_call(p: KernelPolicy, slots: int):
+    """The kernel's call for rule p over an input set (q, k, v, pos, ||v||_1, state), and the bytes it reads
+    beyond K, V and positions: ||v||_1, and the state read and written."""
+    s = p.scoring
+    call = lambda q, k, v, pos, n, st: kernel.decode_attention(q, k, v, pos, per_head=p.per_head, scoring=s,
+                                                                vnorm=n if s.value_norm else None,
+                                                                state=st if s.keeps_state else None)
+    return call, 4 * slots * (s.value_norm + 2 * s.keeps_state)
 
 
 # ---- the decode step at a given cache fill --------------------------------------------------------------
@@ -805,7 +820,7 @@ WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_thr
 # The options each workload reads (argparse names). Given to another workload, one would do nothing, so it is
 # refused; --device and --json apply to all.
 READS = {
-    "kernel": {"batch", "slots"},
+    "kernel": {"batch", "slots", "policy"},
     "step": {"shape", "model", "batch", "budget", "context", "policy", "compile", "profile", "plot", "kv_dtype",
              "weights"},
     "throughput": {"shape", "model", "batch", "budget", "policy", "prompt_len", "new_tokens", "compile", "kv_dtype",
@@ -872,11 +887,11 @@ def check_args(args, p: Parser):
     after hours (ValueError: what is wrong and what to do). Sets the device and the defaults that depend on it."""
     args.device, args.dtype = pick_device(args.device, None)
     check_parallel(args)
+    check_used(args, p)
     if args.workload == "kernel" and args.device.type != "cuda":
         raise ValueError("the kernel workload times CUDA kernels and needs a GPU")
     if args.workload == "hf" and importlib.util.find_spec("transformers") is None:
         raise ValueError("the hf workload runs Hugging Face transformers: pip install transformers")
-    check_used(args, p)
     if args.workload == "checkpoint":
         check_out(args.out)
     if args.profile and args.device.type != "cuda":
@@ -921,6 +936,10 @@ def check_used(args, p: Parser):
         raise ValueError("--policy full keeps every token and takes no --budget; drop it, or add a policy that evicts")
     if "full" not in args.policy and given("context"):
         raise ValueError("--context is the fill of the full cache; add full to --policy, or drop --context")
+    unfused = [name for name in args.policy if not isinstance(POLICIES[name], KernelPolicy)]
+    if w == "kernel" and given("policy") and unfused:
+        raise ValueError(f"the kernel workload times the rules the fused kernel scores, not {', '.join(unfused)}: "
+                         f"time them in a decode step (bench.py step --policy ...)")
 
 
 def check_sizes(args):
