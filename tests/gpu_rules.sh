@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On a GPU machine (issue 42: the rules through kernel.Scoring), results into $OUT, every log line into
+# $OUT/log.txt. Parts, in one device call or several:
+#     bash tests/gpu_rules.sh kernel   # the kernel's GPU tests, bench.py kernel of before/ and of this tree in turn
+#                                      # (two rounds), every rule the kernel scores
+#     bash tests/gpu_rules.sh step     # the graph-replayed step of every rule against eager, never recompiling;
+#                                      # bench.py step of every rule (BATCHES, default "1 64")
+# before/ is another revision, exported next to the tree first (the GPU machine has no git):
+#     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
+set -u
+cd "$(dirname "$0")/.."
+log=$OUT/log.txt
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  date -u; echo "== $*"; } >> $log
+case "$1" in
+kernel)
+  timeout 200 python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1
+  echo "kernel tests rc=$?" >> $log
+  for round in 1 2; do
+    for tree in before after; do
+      dir=$([ $tree = before ] && echo before || echo .)
+      (cd $dir && timeout 90 python bench.py kernel --batch 1 64 256 --json $OUT/kernel_${tree}_$round.json \
+        > /dev/null 2>> $log)
+      echo "kernel $tree $round rc=$?" >> $log
+    done
+  done ;;
+step)
+  timeout 300 python -m pytest -q tests/test_generate.py -p no:cacheprovider -k cuda_graph_replay >> $log 2>&1
+  echo "graph tests rc=$?" >> $log
+  for policy in ${POLICIES:-longflow longflow-head tova h2o vatp longflow-ema snapkv-decode}; do
+    timeout 150 python bench.py step --shape Qwen3-8B --batch ${BATCHES:-1 64} --policy $policy \
+      --json $OUT/step_$policy.json >> $log 2>&1
+    echo "step $policy rc=$?" >> $log
+  done ;;
+esac
