@@ -305,7 +305,7 @@ def test_a_per_layer_value_weighted_state_starts_from_every_heads_alpha_times_it
 LAZY_ALPHA = 1e-4  # the authors' Qwen setting (their evaluation.py, eval_qwen.sh)
 
 
-def lazy_simulation(c, k, lengths):
+def lazy_simulation(c, k):
     """LazyEviction's tokens after a prompt, per row and KV head: slot -> [position, key, last, mp], from the
     slots the cache's prompt rule kept (its business, not the rule's); at the first decode step every token
     present starts with last = 0 and mp = 0 (the authors' temp_cacheobs.py)."""
@@ -339,13 +339,12 @@ def test_lazy_evictions_follow_the_recurrences_step_by_step(lengths):
     counter (s = 1 at the first decode step), one eviction per step: the cache keeps the same states on its
     clock of positions (last + the prompt's length - 1; mp as is) and evicts the same slot, at every step."""
     torch.manual_seed(4)
-    p = resolve_policy("lazy", S)
-    cache = KVCache(CFG, B, S, "cpu", torch.float32, p)
+    cache = KVCache(CFG, B, S, "cpu", torch.float32, resolve_policy("lazy", S))
     c, T = cache.layers[0], max(lengths)
     q, k, v = torch.randn(B, H_Q, T, D) * 3, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
     positions = torch.stack([torch.where(torch.arange(T) < n, torch.arange(T), -1) for n in lengths])
     cache.prefill(c, q, k, v, positions, torch.arange(B))
-    tokens = lazy_simulation(c, k, lengths)
+    tokens = lazy_simulation(c, k)
     slot = c.next_slot.tolist()
     intervals, evicted = set(), []
     for s in range(1, 101):
@@ -358,7 +357,7 @@ def test_lazy_evictions_follow_the_recurrences_step_by_step(lengths):
                 here = tokens[b][h]
                 evicted += [here[slot[b][h]][3]] if slot[b][h] in here else []
                 here[slot[b][h]] = [int(now[b]), kt[b, h], s - 1, 0]
-                slot[b][h] = lazy_step(here, qt[b].view(H_KV, -1, D)[h], s, p.window)
+                slot[b][h] = lazy_step(here, qt[b].view(H_KV, -1, D)[h], s, SPECS["lazy"].window)
                 for j, (_, _, last, mp) in here.items():
                     got = kept[0][b][h][j], kept[1][b][h][j]
                     assert got == (last + lengths[b] - 1, mp), f"row {b}, KV head {h}, slot {j}, step {s}"
