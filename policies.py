@@ -153,6 +153,31 @@ class RecentQueries(Kept):
                       (positions % self.n)[:, None].expand(B, H_q)), q)
 
 
+@dataclass(frozen=True)
+class Steps(Kept):
+    """A step number per slot that the policy updates itself as it attends (LazyEviction's last recurrence and
+    longest recurrence interval), with positions as the clock: int32 [B, H_kv, S]. A token written at position
+    p starts at p - 1 (since_written) or at 0; the prompt's tokens start as the first new token does."""
+    since_written: bool
+
+    def alloc(self, cfg, batch, slots, device, dtype):
+        return torch.zeros(batch, cfg.n_kv_heads, slots, device=device, dtype=torch.int32)
+
+    def born(self, positions):
+        """What a token written at `positions` (an int tensor) starts with."""
+        return (positions - 1 if self.since_written else torch.zeros_like(positions)).int()
+
+    def of_prompt(self, q, k, v, pos, seed):
+        return self.born(pos.amax((1, 2), keepdim=True) + 1).expand(pos.shape)  # the first new token's position
+
+    def start(self, t, rows, q, k, v, pos, positions, seed):
+        # from the whole prompt's positions [R, T]: a prompt rule may have dropped its last token
+        t[rows, :, :pos.shape[2]] = self.born(positions.amax(1) + 1)[:, None, None]
+
+    def write(self, t, cache, c, at, q, k, v, positions):
+        t.index_put_(at, self.born(positions)[:, None].expand(c.pos.shape[:2]))
+
+
 def last_queries(q, positions, n: int):
     """The queries of the last n real prompt tokens [R, H_q, n, D] and the ring columns they go to,
     position % n [R, n] (a prompt shorter than n gives its first query several times, into column 0).
@@ -476,6 +501,57 @@ class KNorm(Policy):
         return -c.kept["key_norm"]
 
 
+# LazyEviction (arXiv 2506.15969; its code in WeianMao/triattention's history, folder LazyEviction/): a token
+# recurs when attended at or above alpha = 1e-4, the authors' Qwen setting; their MATH runs protect the newest
+# W = 175 tokens at a capacity of 1492, a share that gives every budget a window (docs/rules.md)
+LAZY_ALPHA, LAZY_WINDOW_SHARE = 1e-4, 175 / 1492
+
+
+@dataclass(frozen=True)
+class Lazy(Policy):
+    """LazyEviction, one eviction per step, per KV head: each token's last recurrence `last` and its longest
+    recurrence interval `mp` (recorded by record_recurrence from each step's attention) give its importance
+    (lazy_importance); the least important goes, the newest 11.7% of the budget stay."""
+    per_head: bool = True
+    window_share = LAZY_WINDOW_SHARE
+    keeps = {"last": Steps(since_written=True), "mp": Steps(since_written=False)}
+
+    def attend(self, cache, c, q, now):
+        out, _ = cache.attention(c, q)
+        c = cache.with_key_values(c)
+        record_recurrence(c, q, now, LAZY_ALPHA)  # after the new token is written, before the choice
+        return out, cache.lowest(self.score(c, q, now), c)
+
+    def score(self, c, q, now):
+        return lazy_importance(c.kept["last"], c.kept["mp"], now)
+
+
+def record_recurrence(c, q, now, alpha: float):
+    """LazyEviction's states after this step's attention, in place. A held token recurs when a query head of its
+    KV head's group gives it a softmax weight of alpha or more (the authors keep a copy per query head; one
+    slot per KV head recurs for any of them); then mp = max(mp, now - last) and last = now.
+    c.k: keys as values [B, H_kv, S, D]; q: [B, H_q, D]; now: [B] this step's position."""
+    B, H, S, D = c.k.shape
+    # the logits in the model's dtype (the authors' in fp16), the softmax in fp32, as theirs
+    logits = (q.view(B, H, -1, D) @ c.k.transpose(-1, -2)).float() / D ** 0.5  # [B, H_kv, G, S]
+    weights = logits.masked_fill((c.pos < 0)[:, :, None], float("-inf")).softmax(-1)
+    recurs = weights.amax(2) >= alpha  # [B, H_kv, S]; an empty slot's weight is 0
+    now = now.int()[:, None, None]
+    last, mp = c.kept["last"], c.kept["mp"]
+    mp.copy_(torch.where(recurs, torch.maximum(mp, now - last), mp))
+    last.copy_(torch.where(recurs, now, last))
+
+
+def lazy_importance(last, mp, now):
+    """LazyEviction's importance of each slot at position `now` [B] (kv_utils.py:72-73 of its code), in fp32:
+        2 / (1 + exp(1 + (now - last) / (mp + 1e-5)))  +  [mp > 0] * 2 / (1 + exp(mp - 1))
+    A token attended every step since it came (mp = 1) ranks highest; a long gap since its last recurrence,
+    measured in its own longest interval, ranks it lower. last, mp: [B, H_kv, S] int32."""
+    since = (now[:, None, None] - last).float()
+    mp = mp.float()
+    return 2 / (1 + torch.exp(1 + since / (mp + 1e-5))) + (mp > 0) * 2 / (1 + torch.exp(mp - 1))
+
+
 POLICIES = {
     "full": Full(),
     "longflow": LongFlow(),
@@ -490,6 +566,7 @@ POLICIES = {
     "snapkv-decode": SnapKVDecode(),
     "random": Random(),
     "knorm": KNorm(),
+    "lazy": Lazy(),
 }
 POLICIES = {name: replace(p, name=name) for name, p in POLICIES.items()}
 

@@ -112,7 +112,26 @@ SPECS = {
         + now.long()[:, None, None] * 0xC2B2AE3D) >> 8).float(), per_head=True),
     # Knorm: the largest key norm goes
     "knorm": Spec(lambda k, v, pos, *_: -k.norm(dim=-1), per_head=True),
+    # LazyEviction: the importance from each slot's last recurrence and longest recurrence interval, which the
+    # layer keeps (test_lazy_evictions_follow_the_recurrences_step_by_step checks those); the newest W / C of
+    # the budget stay, the authors' W = 175 at C = 1492
+    "lazy": Spec(lambda k, v, pos, q, now, recent, layer: lazy_formula(pos, now, layer), per_head=True,
+                 window=int(S * 175 / 1492)),
 }
+
+
+def lazy_importance(last, mp, now):
+    """LazyEviction's importance (its kv_utils.py:72-73), lowest goes: last, mp [B, H_kv, S] in steps, now [B]."""
+    since = now[:, None, None] - last
+    return 2 / (1 + torch.exp(1 + since / (mp + 1e-5))) + (mp > 0) * 2 / (1 + torch.exp(mp - 1))
+
+
+def lazy_formula(pos, now, layer):
+    """LazyEviction's importance from the states the layer keeps; over a prompt seen as the cache (prompt
+    compression), the states every prompt token starts with: last = the prompt's last position, mp = 0."""
+    if layer.kept["last"].shape == pos.shape:
+        return lazy_importance(layer.kept["last"].float(), layer.kept["mp"].float(), now)
+    return lazy_importance(now[:, None, None].float().expand(pos.shape), torch.zeros(pos.shape), now)
 
 
 def updated(spec, state, score):
@@ -217,6 +236,8 @@ def test_what_a_policy_keeps_matches_a_recomputation_from_the_slots(name):
                     assert torch.equal(kept_now[:, :, (t - back) % kept.n], recent[:, :, -1 - back]), what
             elif what == "state":
                 torch.testing.assert_close(kept_now[held], state[held], rtol=1e-5, atol=1e-6)  # fp32, other order
+            elif value is None:  # other history, which its rule's own test follows step by step (lazy's steps)
+                continue
             elif value.shape == held.shape:  # a value per slot, written with the token: exact
                 assert torch.equal(kept_now[held], value[held]), what
             else:  # a running sum, one key in and one out per step: fp32 rounding accumulates
@@ -261,7 +282,7 @@ def test_what_an_empty_slot_holds_changes_no_held_slots_score(name):
     c.k[empty], c.v[empty] = torch.randn_like(c.k[empty]) * 5, torch.randn_like(c.v[empty]) * 5
     for kept in c.kept.values():
         if kept.shape == empty.shape:  # a value per slot
-            kept[empty] = torch.randn_like(kept[empty]) * 5
+            kept[empty] = (torch.randn(kept[empty].shape) * 5).to(kept.dtype)  # (lazy's steps are int32)
     after = cache.policy.score(cache.with_values(c), qt, now).expand(B, H_KV, S)
     assert torch.equal(after[~empty], before[~empty])
 
@@ -291,3 +312,81 @@ def test_a_per_layer_value_weighted_state_starts_from_every_heads_alpha_times_it
     want = prompt_state(spec, q, k, v, cache.layers[0])  # [B, 1, T]
     got = p.prompt_seed(cache, q, k, v, torch.arange(T).expand(B, T))  # [B, H_kv, T], every column the layer's
     torch.testing.assert_close(got, want.expand(B, H_KV, T), rtol=1e-5, atol=1e-6)  # fp32, summed in other orders
+
+
+# ---- LazyEviction's states, simulated step by step -------------------------------------------------------
+LAZY_ALPHA = 1e-4  # the authors' Qwen setting (their evaluation.py, eval_qwen.sh)
+
+
+def lazy_simulation(c, k):
+    """LazyEviction's tokens after a prompt, per row and KV head: slot -> [position, key, last, mp], from the
+    slots the cache's prompt rule kept (its business, not the rule's); at the first decode step every token
+    present starts with last = 0 and mp = 0 (the authors' temp_cacheobs.py)."""
+    return [[{j: [int(c.pos[b, h, j]), k[b, h, c.pos[b, h, j]], 0, 0] for j in range(S) if c.pos[b, h, j] >= 0}
+             for h in range(H_KV)] for b in range(B)]
+
+
+def lazy_step(tokens, q, s, window):
+    """One decode step s (1, 2, ...) of one row and KV head, as the authors' code takes it: a token recurs when
+    a query head of the group (q [G, D]) gives it a softmax weight >= alpha over the held tokens, new one
+    included; then mp = max(mp, s - last), last = s. Returns the slot the next token takes: the lowest empty
+    one, else the least important of those not among the newest `window` (the lowest slot of ties)."""
+    slots = sorted(tokens)
+    keys = torch.stack([tokens[j][1] for j in slots]).double()  # [n, D]
+    weights = (q.double() @ keys.T / math.sqrt(D)).softmax(-1)  # [G, n]
+    for j, recurs in zip(slots, (weights.amax(0) >= LAZY_ALPHA).tolist()):
+        if recurs:
+            tokens[j][3] = max(tokens[j][3], s - tokens[j][2])
+            tokens[j][2] = s
+    if len(slots) < S:
+        return min(set(range(S)) - set(slots))
+    newest = max(t[0] for t in tokens.values())
+    unprotected = [j for j in slots if tokens[j][0] <= newest - window]
+    last, mp = (torch.tensor([[[float(tokens[j][i]) for j in unprotected]]]) for i in (2, 3))
+    return unprotected[lazy_importance(last, mp, torch.tensor([float(s)])).argmin()]
+
+
+@pytest.mark.parametrize("lengths", [(40, 30), (100, 70)], ids=["prompts-that-fit", "prompts-compressed"])
+def test_lazy_evictions_follow_the_recurrences_step_by_step(lengths):
+    """LazyEviction's two states and its choice, simulated per row and KV head with the authors' own step
+    counter (s = 1 at the first decode step), one eviction per step: the cache keeps the same states on its
+    clock of positions (last + the prompt's length - 1; mp as is) and evicts the same slot, at every step."""
+    torch.manual_seed(4)
+    cache = KVCache(CFG, B, S, "cpu", torch.float32, resolve_policy("lazy", S))
+    c, T = cache.layers[0], max(lengths)
+    q, k, v = torch.randn(B, H_Q, T, D) * 3, torch.randn(B, H_KV, T, D), torch.randn(B, H_KV, T, D)
+    positions = torch.stack([torch.where(torch.arange(T) < n, torch.arange(T), -1) for n in lengths])
+    cache.prefill(c, q, k, v, positions, torch.arange(B))
+    tokens = lazy_simulation(c, k)
+    slot = c.next_slot.tolist()
+    intervals, evicted = set(), []
+    for s in range(1, 101):
+        qt, kt, vt = torch.randn(B, H_Q, D) * 3, torch.randn(B, H_KV, D), torch.randn(B, H_KV, D)
+        now = torch.tensor(lengths) + s - 1  # the new token's position
+        cache.decode(c, qt, kt, vt, now)
+        kept = c.kept["last"].tolist(), c.kept["mp"].tolist()
+        for b in range(B):
+            for h in range(H_KV):
+                here = tokens[b][h]
+                evicted += [here[slot[b][h]][3]] if slot[b][h] in here else []
+                here[slot[b][h]] = [int(now[b]), kt[b, h], s - 1, 0]
+                slot[b][h] = lazy_step(here, qt[b].view(H_KV, -1, D)[h], s, SPECS["lazy"].window)
+                for j, (_, _, last, mp) in here.items():
+                    got = kept[0][b][h][j], kept[1][b][h][j]
+                    assert got == (last + lengths[b] - 1, mp), f"row {b}, KV head {h}, slot {j}, step {s}"
+                    intervals.add(mp)
+            assert c.next_slot[b].tolist() == slot[b], f"the slot evicted in row {b} at step {s}"
+    # the run tells something: tokens skipped steps before recurring, and those evicted had several intervals
+    assert max(intervals) >= 3 and len(set(evicted)) >= 3
+
+
+def test_lazy_a_weight_of_exactly_alpha_is_a_recurrence():
+    """The authors' test is a_j >= alpha: 10,000 equal keys share the attention, 1e-4 each (alpha in fp32),
+    and every one recurs, one step after the prompt (last = now, mp = 1)."""
+    slots = 10_000
+    cache = KVCache(CFG, 1, slots, "cpu", torch.float32, resolve_policy("lazy", slots))
+    c, T = cache.layers[0], slots - 1
+    cache.prefill(c, torch.randn(1, H_Q, T, D), torch.zeros(1, H_KV, T, D), torch.randn(1, H_KV, T, D),
+                  torch.arange(T)[None], torch.tensor([0]))
+    cache.decode(c, torch.randn(1, H_Q, D), torch.zeros(1, H_KV, D), torch.randn(1, H_KV, D), torch.tensor([T]))
+    assert (c.kept["last"] == T).all() and (c.kept["mp"] == 1).all()
