@@ -78,8 +78,8 @@ class Scoring:
         then score_i = state_i
 
     alpha[h, i] is the current query's softmax weight of slot i; the mean runs over the KV head's query group
-    (per head) or over every head of the layer. A new factor is a field here and in `constexprs`, a line in
-    decode_attention_ref and its lines in _score_chunk."""
+    (per head) or over every head of the layer. A new factor is a field here, a line in decode_attention_ref,
+    its lines in _score_chunk, and its way through decode_attention's arguments to the op."""
     value_norm: bool = False
     update: str = "none"
     decay: float = 1.0  # "ema" only: the weight of the state a step keeps
@@ -98,12 +98,9 @@ class Scoring:
         """state <- decay * state + step, in place ("sum": decay 1): the kernel's update, in PyTorch."""
         return state.mul_(self.decay).add_(step) if self.decay != 1 else state.add_(step)
 
-    def constexprs(self, state) -> dict:
-        """The kernel's compile-time flags for this scoring (state: the tensor given, or None)."""
-        return dict(VALUE_NORM=self.value_norm, HAS_STATE=state is not None, DECAY=self.decay)
-
 
 UPDATES = ("none", "sum", "ema")
+LONGFLOW = Scoring(value_norm=True)  # decode_attention's default
 
 
 def check_state(scoring: Scoring, state, partial: bool, select: bool):
@@ -112,7 +109,6 @@ def check_state(scoring: Scoring, state, partial: bool, select: bool):
         raise ValueError(f"a per-slot state is for a scoring with an update (sum, ema), not {scoring!r}")
     if partial and (state is not None or not select):
         raise ValueError("partial scores are this step's (no state) and need select")
-LONGFLOW = Scoring(value_norm=True)  # decode_attention's default
 
 
 def protected_mask(pos, n_sink: int, window: int):
@@ -357,7 +353,7 @@ def _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, state_
                  H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr,
                  NS_PAD: tl.constexpr, CHUNK: tl.constexpr, PER_HEAD: tl.constexpr, PROTECT: tl.constexpr,
                  PARTIAL: tl.constexpr, VALUE_NORM: tl.constexpr, HAS_STATE: tl.constexpr, DECAY: tl.constexpr):
-    """Score slots chunk*CHUNK .. +CHUNK of row b as the Scoring's flags say (VALUE_NORM, HAS_STATE, DECAY) and
+    """Score slots chunk*CHUNK .. +CHUNK of row b as the Scoring says (VALUE_NORM, HAS_STATE, DECAY) and
     lower key[b, kv] to the chunk's best (score, slot); with PARTIAL (per layer), store the scores to part
     [B, S] instead, for the ranks to decide together."""
     kvs = tl.arange(0, KV_POW2)
@@ -435,7 +431,7 @@ def _finish_kernel(
     H_KV: tl.constexpr, G: tl.constexpr, KV_POW2: tl.constexpr, G_POW2: tl.constexpr, D: tl.constexpr,
     NS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, PER_HEAD: tl.constexpr,
     PROTECT: tl.constexpr, PARTIAL: tl.constexpr,
-    VALUE_NORM: tl.constexpr, HAS_STATE: tl.constexpr, DECAY: tl.constexpr,  # Scoring.constexprs
+    VALUE_NORM: tl.constexpr, HAS_STATE: tl.constexpr, DECAY: tl.constexpr,  # the Scoring's, and a state given
 ):
     """Program (b, c): for c < n_chunks, score chunk c of row b's slots (all KV heads); for the H_kv programs
     after those (when split), merge the split partials of KV head c - n_chunks into out. One launch for both."""
