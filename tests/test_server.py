@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -185,6 +186,34 @@ def test_a_default_sampling_setting_out_of_range_refuses_to_start_the_server(mod
         srv.build(srv.parse_args(["--model", str(folder), "--device", "cpu", "--no-compile"]))
     assert str(refused.value) == ("this model's generation_config.json sets top_p to 0, which must be a number in "
                                   "(0, 1]: correct it in that file")
+
+
+def start_refused(model_dir, *options) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "server.py"), "--model", str(model_dir), "--device", "cpu",
+                           "--no-compile", *options], capture_output=True, text=True, timeout=300)
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(model_dir):
+    """uvicorn binds only once the server is compiled (70 s on a GPU), then fails with its own ERROR and exit 3:
+    the address is checked first, and the model is never loaded (no 'compiling' line)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = start_refused(model_dir, "--port", str(port))
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr == (f"error: port {port} on 127.0.0.1 is in use (Address already in use); stop what listens "
+                        f"there or give another --port\n")
+
+
+@pytest.mark.parametrize("host, why", [("999.1.1.1", "Name or service not known"),
+                                       ("192.0.2.1", "Cannot assign requested address")],  # TEST-NET-1: no one's
+                         ids=["not-an-address", "not-this-machines"])
+def test_a_host_that_is_not_this_machines_is_refused_in_one_line_before_the_model_loads(model_dir, host, why):
+    r = start_refused(model_dir, "--host", host, "--port", str(free_port()))
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr == (f"error: --host {host} is not an address of this machine ({why}); give 127.0.0.1 (this "
+                        f"machine only), 0.0.0.0 (every interface) or one of its own addresses\n")
 
 
 def wait_until_idle(server, seconds=120.0):
