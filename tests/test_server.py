@@ -312,6 +312,8 @@ BAD_CHAT = [
     ("an unknown template option", {"model": "tiny", "messages": HELLO, "chat_template_kwargs": {"x": 1}}, 400,
      "chat_template_kwargs"),
     ("tools", {"model": "tiny", "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("a role the API does not have", {"model": "tiny", "messages": [{"role": "wizard", "content": "Hi"}]}, 400,
+     "messages"),
     ("a lone surrogate", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
 ]
 
@@ -329,6 +331,23 @@ def test_a_bad_chat_request_gets_its_status(server, what, body, status, param):
     r = server.post("/v1/chat/completions", body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_role_the_openai_api_does_not_have_is_refused_naming_the_roles_it_has(server):
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": [*HELLO, {"role": "wizard", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "message 1 has the role 'wizard'; a role is one of system, developer, user, assistant, tool")
+
+
+def test_a_developer_message_is_the_system_message_and_a_tool_message_reaches_the_template(server, tok):
+    """OpenAI's developer role is its newer name for system, which is what chat templates know (Qwen3's leaves out
+    a role it does not know): the prompt is the system message's. A tool message goes to the template as it is."""
+    said = lambda role: [{"role": role, "content": "Answer briefly."}, *HELLO,
+                         {"role": "assistant", "content": "Hi"}, {"role": "tool", "content": "42"}]
+    r = server.client.chat.completions.create(model="tiny", messages=said("developer"), max_tokens=2)
+    assert r.usage.prompt_tokens == len(tok.chat(said("system")))
+    assert tok.render(said("developer")) == tok.render(said("system"))
+    assert "<|im_start|>tool\n42<|im_end|>" in tok.render(said("system"))
 
 
 @pytest.mark.parametrize("method, path, status, says", [
