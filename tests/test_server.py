@@ -386,6 +386,16 @@ def test_a_sampling_setting_out_of_range_is_refused_as_the_routes_own_checks_say
     assert r.json()["error"]["message"] == message
 
 
+def test_a_prompt_of_the_whole_context_is_refused_and_one_a_token_shorter_gets_one_token(server):
+    """The tiny model's context is 512 positions: a 512-token prompt leaves no room for an answer."""
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": [7] * 512})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == ("the prompt is 512 tokens, and this server's context is 512: no room "
+                                            "for an answer")
+    r = server.client.completions.create(model="tiny", prompt=[7] * 511, extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (1, "length")
+
+
 def test_a_body_over_the_size_limit_gets_413(server):
     r = server.post("/v1/completions", {"model": "tiny", "prompt": "x" * (5 * 2**20)})
     assert r.status_code == 413
