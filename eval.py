@@ -297,7 +297,7 @@ def _math_verify(reference: str, answer: str, timeout: int | None) -> bool:
         from math_verify import parse, verify
         from math_verify.errors import TimeoutException
     except ImportError:
-        raise ImportError("grading answers needs math-verify: pip install -e '.[eval]'") from None
+        raise ImportError("grading answers needs math-verify: pip install 'math-verify>=0.9'") from None
 
     try:  # wrapping in \boxed{} makes math-verify read exactly this string, units and all
         gold = parse("\\boxed{" + reference + "}", parsing_timeout=timeout)
@@ -1149,7 +1149,7 @@ def check_args(args):
                          "torchrun --nproc-per-node N, or drop --dp")
     # grading imports math-verify at the first finished generation: too late to say it is missing
     if args.data != "retrieval" and importlib.util.find_spec("math_verify") is None:
-        raise ValueError("grading answers needs math-verify: pip install -e '.[eval]'")
+        raise ValueError("grading answers needs math-verify: pip install 'math-verify>=0.9'")
 
 
 def check_out(out: Path):

@@ -727,7 +727,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
     if Starlette is None:
-        say("error: the server needs its extra: pip install 'tinyflow[serve]' (starlette, uvicorn)")
+        say("error: the server needs starlette and uvicorn (the serve extra): pip install starlette uvicorn")
         sys.exit(2)
     try:
         listening = bind(args.host, args.port)

