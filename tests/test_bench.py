@@ -292,7 +292,7 @@ def test_a_plot_that_fails_to_write_after_the_run_keeps_the_rows_and_says_where(
     (line,) = err.splitlines()
     assert line.startswith(f"error: --plot {tmp_path / 'plot.png'} could not be written (No space left on device)")
     saved = tmp_path / "rows.json" if with_json else next(tmp_path.glob("bench-rows-*.json"))
-    assert line.endswith(f"the 1 row(s) measured are in {saved}"), line
+    assert line.endswith(f"what was measured (1 row) is in {saved}"), line
     record = strict_json(saved)
     assert record["complete"] is True and record["rows"][0]["tokens_per_s"] > 0
     assert not (tmp_path / "plot.png").exists()
