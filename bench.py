@@ -1067,8 +1067,8 @@ def check_and_run(args, p: Parser):
 
 
 def out_of_memory() -> str:  # a --batch or --context too large for this GPU (the finished rows are kept)
-    return (f"out of GPU memory after {count(len(ROWS), 'row')}; lower --batch, --budget or --context, or leave --batch "
-            f"out for the largest batch that fits")
+    return (f"out of GPU memory after {count(len(ROWS), 'row')}; lower --batch, --budget or --context, or leave "
+            f"--batch out for the largest batch that fits")
 
 
 def stopped(args):  # Ctrl-C: the rows measured until then, and where they are written

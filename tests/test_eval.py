@@ -77,8 +77,8 @@ def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_pat
     assert len(again) == len(lines) and json.loads(again[-1]) == rows[-1]
 
 
-def test_the_table_has_mean_tokens_beside_accuracy_and_the_plot_shows_lines_at_0_and_a_lone_budget(checkpoints,
-                                                                                                   tmp_path, monkeypatch):
+def test_the_table_has_mean_tokens_beside_accuracy_and_the_plot_shows_a_lone_budget_and_0(checkpoints, tmp_path,
+                                                                                          monkeypatch):
     from matplotlib.figure import Figure
     saved = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append((fig, path)))

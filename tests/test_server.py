@@ -334,7 +334,8 @@ def test_a_bad_chat_request_gets_its_status(server, what, body, status, param):
 
 
 def test_a_role_the_openai_api_does_not_have_is_refused_naming_the_roles_it_has(server):
-    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": [*HELLO, {"role": "wizard", "content": "Hi"}]})
+    wizard = {"role": "wizard", "content": "Hi"}
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": [*HELLO, wizard]})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
         "message 1 has the role 'wizard'; a role is one of system, developer, user, assistant, tool")
 
