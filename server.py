@@ -698,10 +698,14 @@ def bind_failure(host: str, port: int, e: OSError) -> str:
     return f"cannot listen on {host}:{port} ({e.strerror or e}); give another --host or --port"
 
 
-def build(args) -> Server:
+def check_args(args):
     check_policy_args(args)
     if parallel.launched():  # one engine loop owns one GPU: nothing splits a model yet
         raise ValueError("server.py serves from one process on one GPU; start it without torchrun")
+
+
+def build(args) -> Server:
+    check_args(args)
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype, weights=args.weights)
     check_default_sampling(tok.defaults)
@@ -730,6 +734,7 @@ def main(argv=None):
         say("error: the server needs starlette and uvicorn (the serve extra): pip install starlette uvicorn")
         sys.exit(2)
     try:
+        check_args(args)  # under torchrun every process would try the address: the options are refused first
         listening = bind(args.host, args.port)
         server = build(args)
         server.thread.start()
