@@ -51,7 +51,7 @@ from generate import Engine, pick_device, sync_time
 from memory import PREFILL_TOKENS, batch_that_fits, device_free_bytes, pick_batch
 from sampling import Sampler, Sampling
 from step import State, Stepper
-from cli import Parser, add_weights_option, non_negative_int, positive_int, run_as_command, run_command
+from cli import Parser, add_weights_option, count, non_negative_int, positive_int, run_as_command, run_command
 import parallel
 from model import Config, checkpoint_params, empty_model, load
 from parallel import SINGLE, Group
@@ -606,9 +606,12 @@ def bench_long_prompt(args, hw: Machine, model):
         engine = new_engine(model, args)  # drop the previous cache before the next size
 
 
+HF_TRIES = 5  # pairs of runs whose median difference is the hf step (odd: the median is one of them)
+
+
 def bench_hf(args, hw: Machine, _):
     """Hugging Face transformers full-KV generate on the same shape (random weights, sdpa): the step time
-    from two runs of different lengths, so prefill and setup cancel out."""
+    from runs of two lengths, so prefill and setup cancel out."""
     import transformers
     cfg = transformers.AutoConfig.for_model(**SHAPES[args.shape])
     with args.device:
@@ -623,11 +626,23 @@ def bench_hf(args, hw: Machine, _):
                                do_sample=False, pad_token_id=0)
             return sync_time(args.device) - t
         run(2)
-        n = args.new_tokens
-        short = max(n // 4, 1)  # transformers refuses to generate no token
-        step = (run(n) - run(short)) / (n - short)
+        step = step_from_run_lengths(run, args.new_tokens, f"batch {B}")
         finished(dict(workload="hf", policy="transformers full", batch=B, prompt_len=args.prompt_len,
                       ms_per_step=step * 1e3, tokens_per_s=B / step, peak_gib=peak_gib(args.device)))
+
+
+def step_from_run_lengths(run, n: int, what: str) -> float:
+    """Seconds per decode step: the median, over HF_TRIES pairs, of the difference between a run of n new tokens
+    and one of n // 4, per token between them. One difference alone came out negative on a loaded machine (the
+    shorter run slowed more than the longer); a median that is still not positive is refused, never reported."""
+    short = max(n // 4, 1)  # transformers refuses to generate no token
+    steps = sorted((run(n) - run(short)) / (n - short) for _ in range(HF_TRIES))
+    step = steps[HF_TRIES // 2]
+    if not step > 0:
+        raise ValueError(f"the hf step at {what} could not be timed: {n} new tokens took no longer than {short} "
+                         f"in {sum(s <= 0 for s in steps)} of {HF_TRIES} tries (a machine too busy, or runs too "
+                         f"short); give a larger --new-tokens, or run it on a quieter machine")
+    return step
 
 
 # ---- a running server under load -----------------------------------------------------------------------------
@@ -696,7 +711,7 @@ async def load_run(args, rate: float) -> dict:
     ok = [r for r in results if "error" not in r and r["tokens"] == args.new_tokens]
     failed = [r for r in results if r not in ok]
     if failed:
-        print(f"{len(failed)} request(s) did not complete, first: {failed[0].get('error', failed[0])}",
+        print(f"{count(len(failed), 'request')} did not complete, first: {failed[0].get('error', failed[0])}",
               file=sys.stderr)
     # time per output token: a request's time from its first chunk to its last over its tokens after the
     # first (the server sends a chunk per host sync, 16 tokens, so gaps between chunks are not per token)
@@ -725,7 +740,7 @@ def bench_serve(args, hw, _):
     for rate in args.rate:
         finished(asyncio.run(load_run(args, rate)))
         if ROWS[-1]["completed"] != args.requests:
-            raise ValueError(f"{args.requests - ROWS[-1]['completed']} of {args.requests} requests did not "
+            raise ValueError(f"{count(args.requests - ROWS[-1]['completed'], 'request')} of {args.requests} did not "
                              f"complete at --rate {rate}")
 
 
@@ -810,8 +825,8 @@ def save_plot(args, hw: Machine):
             handle, saved = tempfile.mkstemp(prefix="bench-rows-", suffix=".json")
             os.close(handle)
             write_json(saved, args, hw, complete=True)
-        raise ValueError(f"--plot {args.plot} could not be written ({e.strerror or e}); the {len(ROWS)} row(s) "
-                         f"measured are in {saved}") from None
+        raise ValueError(f"--plot {args.plot} could not be written ({e.strerror or e}); what was measured "
+                         f"({count(len(ROWS), 'row')}) is in {saved}") from None
 
 
 WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
@@ -1071,12 +1086,12 @@ def check_and_run(args, p: Parser):
 
 
 def out_of_memory() -> str:  # a --batch or --context too large for this GPU (the finished rows are kept)
-    return (f"out of GPU memory after {len(ROWS)} row(s); lower --batch, --budget or --context, or leave --batch "
-            f"out for the largest batch that fits")
+    return (f"out of GPU memory after {count(len(ROWS), 'row')}; lower --batch, --budget or --context, or leave "
+            f"--batch out for the largest batch that fits")
 
 
 def stopped(args):  # Ctrl-C: the rows measured until then, and where they are written
-    interrupted(f"{len(ROWS)} row(s) measured" + (f", written to {args.json}" if args.json and ROWS else ""))
+    interrupted(f"{count(len(ROWS), 'row')} measured" + (f", written to {args.json}" if args.json and ROWS else ""))
 
 
 if __name__ == "__main__":

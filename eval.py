@@ -297,7 +297,7 @@ def _math_verify(reference: str, answer: str, timeout: int | None) -> bool:
         from math_verify import parse, verify
         from math_verify.errors import TimeoutException
     except ImportError:
-        raise ImportError("grading answers needs math-verify: pip install -e '.[eval]'") from None
+        raise ImportError("grading answers needs math-verify: pip install 'math-verify>=0.9'") from None
 
     try:  # wrapping in \boxed{} makes math-verify read exactly this string, units and all
         gold = parse("\\boxed{" + reference + "}", parsing_timeout=timeout)
@@ -719,7 +719,14 @@ def write_table(summaries: list[dict], out_dir: Path):
     for s in summaries:
         if not s["budget"]:
             ax.axhline(s["accuracy"], linestyle="--", color="gray", label=f"{s['policy']} (all tokens)")
-    ax.set(xlabel="KV budget (slots)", ylabel="accuracy", title="accuracy against budget", ylim=(0, 1))
+    budgets = sorted({s["budget"] for s in summaries if s["budget"]})
+    if budgets:  # half a doubling beyond the outer budgets: one budget alone would get an axis of +-5% around it
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.xaxis.set_minor_locator(plt.NullLocator())  # unlabelled, or labelled 2^5.8 on a short axis
+        ax.set_xlim(budgets[0] / 2**0.5, budgets[-1] * 2**0.5)
+    # a little beyond 0 and 1: a line at accuracy 0 or 1 (the full cache's, say) would lie on the frame
+    ax.set(xlabel="KV budget (slots)", ylabel="accuracy", title="accuracy against budget", ylim=(-0.05, 1.05))
     ax.legend()
     fig.savefig(out_dir / "compare.png", dpi=120, bbox_inches="tight")
 
@@ -739,12 +746,13 @@ BOOTSTRAP_BLOCK = 64  # tokens per block of the bootstrap error bars
 def rust_texts(tokenizer, n: int, prompt_tokens: int, tokens: int) -> list[dict]:
     """The first n shipped chapters of the Rust book (data/rust_book.jsonl), each cut into a prompt and a
     continuation of the given lengths in tokens."""
+    from cli import count
     texts = []
     for line in RUST_BOOK.read_text(encoding="utf-8").splitlines()[:n]:
         row = json.loads(line)
         ids = tokenizer.encode(row["text"])
         if len(ids) < prompt_tokens + tokens:
-            raise ValueError(f"{row['title']} has {len(ids)} tokens, fewer than --prompt-tokens + --tokens "
+            raise ValueError(f"{row['title']} has {count(len(ids), 'token')}, fewer than --prompt-tokens + --tokens "
                              f"({prompt_tokens + tokens})")
         texts.append({"name": f"rust/{row['title']}", "prompt": ids[:prompt_tokens],
                       "continuation": ids[prompt_tokens:prompt_tokens + tokens]})
@@ -853,7 +861,8 @@ def compare_scores(full, run, kl, measure_from: int, seed: int = 0) -> dict:
 def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: int, full_outs,
                     kv_dtype: str = "auto", runs_model=None) -> dict:
     """Greedy generation of `tokens` tokens from each text's prompt against the full cache's: the first
-    position where they differ (tokens if none) and the share of equal positions, averaged over texts."""
+    position where they differ (tokens if none), averaged over texts, how many texts differ at all, and the share
+    of equal positions."""
     from cache import KV_DTYPES
     from generate import Engine
     policy, budget, rule = run
@@ -862,13 +871,26 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
     outs, _ = engine.generate([t["prompt"] for t in texts], tokens, [], budget, policy, prompt_rule=rule)
     first = [next((i for i, (a, b) in enumerate(zip(o, f)) if a != b), tokens) for o, f in zip(outs, full_outs)]
     equal = [sum(a == b for a, b in zip(o, f)) / tokens for o, f in zip(outs, full_outs)]
-    return {"first_divergence": sum(first) / len(first), "equal_share": sum(equal) / len(equal)}
+    return {"first_divergence": sum(first) / len(first), "diverged": sum(f < tokens for f in first),
+            "equal_share": sum(equal) / len(equal)}
 
 
 def policy_label(summary: dict) -> str:
     rule = summary["prompt_compression"]
     fp8 = (" fp8" if summary.get("kv_dtype") == "fp8" else "") + (" fp8-weights" if summary.get("weights") == "fp8" else "")
     return summary["policy"] + fp8 + ("" if rule == "snapkv" else f" ({rule} prompts)")
+
+
+def first_divergence(summary: dict) -> str:
+    """The mean first divergence, as the table shows it: a text whose tokens never differed counts at the cap
+    (--free-tokens), so with any such text the mean is a lower bound, and with all of them there is none."""
+    tokens, texts = summary["settings"]["free_tokens"], len(summary["texts"])
+    diverged = summary.get("diverged", texts)  # summaries written before it was counted
+    if summary["first_divergence"] == tokens:
+        return f"none in {tokens}"
+    if diverged < texts:
+        return f"≥ {summary['first_divergence']:.0f} ({texts - diverged} of {texts} texts: none in {tokens})"
+    return f"{summary['first_divergence']:.0f}"
 
 
 def write_fidelity_table(summaries: list[dict], out_dir: Path):
@@ -879,20 +901,24 @@ def write_fidelity_table(summaries: list[dict], out_dir: Path):
         lines.append(f"| {policy_label(s)} | {s['budget'] or 'all'} | {s['nll_increase']:+.3f} ± "
                      f"{s['nll_increase_err']:.3f} | "
                      f"{100 * s['top1']:.1f}% ± {100 * s['top1_err']:.1f} | {s['kl']:.3f} ± {s['kl_err']:.3f} | "
-                     f"{s['first_divergence']:.0f} | {100 * s['equal_share']:.0f}% |")
+                     f"{first_divergence(s)} | {100 * s['equal_share']:.0f}% |")
     plt = write_table_and_pyplot(lines, out_dir / "fidelity.md")
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     summaries = [s for s in summaries if s["budget"]]  # a full FP8 cache has no budget to plot against
-    for policy in sorted({policy_label(s) for s in summaries}):
+    policies = sorted({policy_label(s) for s in summaries})
+    for i, policy in enumerate(policies):
         pts = sorted((s["budget"], s["nll_increase"], s["nll_increase_err"]) for s in summaries
                      if policy_label(s) == policy)
         budgets, nll, err = zip(*pts)
-        ax.errorbar(budgets, nll, yerr=err, marker="o", capsize=3, label=policy)
+        # side by side at each budget (a few hundredths of a doubling apart), or the error bars hide each other
+        shift = 2 ** (0.04 * (i - (len(policies) - 1) / 2))
+        ax.errorbar([b * shift for b in budgets], nll, yerr=err, marker="o", capsize=3, label=policy)
     budgets = sorted({s["budget"] for s in summaries})
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.set_yscale("symlog", linthresh=0.01)  # linear near 0, logarithmic above: +0.002 and +6 on one axis
     ax.set_ylim(bottom=0)
     ax.set(xlabel="KV budget (slots)", ylabel="NLL increase over the full cache (nats/token)",
@@ -961,6 +987,7 @@ def run_fidelity(args):
     import time
 
     import tinyflow
+    from cli import count
     runs = fidelity_runs(args.runs, args.kv_dtype != "auto" or args.weights != "auto")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -996,7 +1023,7 @@ def run_fidelity(args):
         for budget in sorted({r[1] for r in todo}, key=lambda b: b or 0):
             group = [r for r in todo if r[1] == budget]
             print(f"fidelity: budget {budget or 'all'}: {', '.join(map(name, group))} against the full cache, "
-                  f"{len(texts)} texts x {args.tokens} tokens")
+                  f"{count(len(texts), 'text')} x {count(args.tokens, 'token')}")
             start = time.perf_counter()
             full, scored = score_in_lock_step(llm, texts, group, args.batch_size, args.kv_dtype, runs_model)
             group_seconds = time.perf_counter() - start
@@ -1013,7 +1040,7 @@ def run_fidelity(args):
                 saved.append(run)
         write_fidelity_table([read_json(path(*r)) for r in runs], out_dir)
     except KeyboardInterrupt:
-        interrupted(f"{len(saved)} of {len(runs)} runs are measured and saved in {out_dir}; run the same command "
+        interrupted(f"{count(len(saved), 'run')} of {len(runs)} measured and saved in {out_dir}; run the same command "
                     "to resume with the rest")
 
 
@@ -1149,7 +1176,7 @@ def check_args(args):
                          "torchrun --nproc-per-node N, or drop --dp")
     # grading imports math-verify at the first finished generation: too late to say it is missing
     if args.data != "retrieval" and importlib.util.find_spec("math_verify") is None:
-        raise ValueError("grading answers needs math-verify: pip install -e '.[eval]'")
+        raise ValueError("grading answers needs math-verify: pip install 'math-verify>=0.9'")
 
 
 def check_out(out: Path):
@@ -1211,12 +1238,12 @@ def run_main(args):
             write_table(summaries, out_dir)
         parallel.barrier()
     except KeyboardInterrupt:
-        from cli import ignore_further_interrupts
+        from cli import count, ignore_further_interrupts
         ignore_further_interrupts()
         if parallel.rank() > 0:  # rank 0 counts (and says) what every rank saved
             sys.exit(130)
         saved = sum(len(saved_rows(p, items, proto.samples)) for path in paths for p in [path, *rank_files(path)])
-        interrupted(f"{saved} of {len(paths) * len(items) * proto.samples} generations are saved in {out_dir}; "
+        interrupted(f"{count(saved, 'generation')} of {len(paths) * len(items) * proto.samples} saved in {out_dir}; "
                     "run the same command to resume with the rest")
     finally:  # also when interrupted: an eval.py inside a longer Python session must not keep them
         for lock in locks:

@@ -607,16 +607,26 @@ class Tokenizer:
             raise template_failure(e, messages) from None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the OpenAI API's roles
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """The messages as a chat template reads them, checked field by field (a bad one is named, not blamed on
-    the template): a string role, and a content that is a string or OpenAI content parts of type text (joined,
-    as server.py joins them); only an assistant's may be missing or null (a turn that only calls tools). Keys
-    set to null are left out, as transformers leaves them out."""
+    the template): a role of the OpenAI API's, and a content that is a string or OpenAI content parts of type
+    text (joined, as server.py joins them); only an assistant's may be missing or null (a turn that only calls
+    tools). Keys set to null are left out, as transformers leaves them out. A developer message (OpenAI's
+    newer name for the system message) reaches the template as a system message: the templates of Qwen3 and
+    DeepSeek-R1 leave out a role they do not know, without a word. A tool message goes as it is (Qwen's
+    templates write it as a <tool_response> in a user turn, Llama's as an ipython turn)."""
     checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"message {i} has no 'role' (a string: system, user, assistant, ...)")
+            raise ValueError(f"message {i} has no 'role' (a string: {', '.join(ROLES)})")
+        if m["role"] not in ROLES:
+            raise ValueError(f"message {i} has the role {m['role']!r}; a role is one of {', '.join(ROLES)}")
         m = {k: v for k, v in m.items() if v is not None}
+        if m["role"] == "developer":
+            m["role"] = "system"
         content, who = m.get("content"), f"message {i} ({m['role']})"
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

@@ -15,6 +15,7 @@ GET /v1/models, GET /health. Errors are OpenAI's error JSON with a 4xx status; t
 """
 import argparse
 import asyncio
+import errno
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import queue
 import random
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -671,10 +673,39 @@ def port(text: str) -> int:
     return int(text)
 
 
-def build(args) -> Server:
+def bind(host: str, port: int) -> socket.socket:
+    """The socket the server will listen on, bound before the model loads: a port in use or a host that is not
+    this machine's fails at once, not after a minute of compiling (uvicorn binds only when it starts)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(bind_failure(host, port, e)) from None
+    return sock
+
+
+def bind_failure(host: str, port: int, e: OSError) -> str:
+    """What a failed bind means, and what to do."""
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host} is not an address of this machine ({e.strerror}); give 127.0.0.1 (this machine "
+                f"only), 0.0.0.0 (every interface) or one of its own addresses")
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use ({e.strerror}); stop what listens there or give another --port"
+    if e.errno == errno.EACCES:
+        return f"port {port} on {host} is not allowed to this user ({e.strerror}); give a --port from 1024 up"
+    return f"cannot listen on {host}:{port} ({e.strerror or e}); give another --host or --port"
+
+
+def check_args(args):
     check_policy_args(args)
     if parallel.launched():  # one engine loop owns one GPU: nothing splits a model yet
         raise ValueError("server.py serves from one process on one GPU; start it without torchrun")
+
+
+def build(args) -> Server:
+    check_args(args)
     device, dtype = pick_device(args.device, args.dtype)
     model, tok = load(args.model, device, dtype, weights=args.weights)
     check_default_sampling(tok.defaults)
@@ -700,9 +731,11 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     args = parse_args(argv)
     if Starlette is None:
-        say("error: the server needs its extra: pip install 'tinyflow[serve]' (starlette, uvicorn)")
+        say("error: the server needs starlette and uvicorn (the serve extra): pip install starlette uvicorn")
         sys.exit(2)
     try:
+        check_args(args)  # under torchrun every process would try the address: the options are refused first
+        listening = bind(args.host, args.port)
         server = build(args)
         server.thread.start()
         started = time.perf_counter()
@@ -731,7 +764,7 @@ def main(argv=None):
     server.uvicorn = Uvicorn(uvicorn.Config(app(server), host=args.host, port=args.port, log_level="warning",
                                             timeout_graceful_shutdown=5), server.feed)
     try:
-        server.uvicorn.run()
+        server.uvicorn.run(sockets=[listening])
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
         ignore_further_interrupts()
     finally:

@@ -8,6 +8,7 @@
 import importlib.util
 import operator
 import os
+import shlex
 from dataclasses import dataclass
 
 
@@ -19,8 +20,9 @@ def check_own_modules():
     for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
         spec = importlib.util.find_spec(name)
         if spec is None:  # an editable install made before this module existed does not map it
-            raise ImportError(f"tinyflow's install is out of date: `import {name}` finds no {name}.py; reinstall it "
-                              f"(`pip install -e .` from the clone, or `pip install .`)")
+            clone = os.path.dirname(os.path.realpath(__file__))  # a strict editable install links the clone's files
+            raise ImportError(f"tinyflow's install is out of date: `import {name}` finds no {name}.py; reinstall it: "
+                              f"pip install -e {shlex.quote(clone)} --config-settings editable_mode=strict")
         origin = spec.origin
         if origin is None or os.path.dirname(os.path.abspath(origin)) != here:
             raise ImportError(f"tinyflow needs its own {name}.py (in {here}) but `import {name}` finds {origin}; "

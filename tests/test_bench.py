@@ -81,17 +81,66 @@ def test_a_throughput_row_is_kept_when_its_validation_fails(tmp_path, monkeypatc
     assert row["tokens_per_s"] > 0 and "validate_batch" not in row and "tokens_per_s=" in stdout
 
 
-def test_bench_transformers_baseline_runs_on_cpu(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def forward_clock(monkeypatch):
+    """bench.py's clock made the count of the transformers model's forward passes so far: one "second" a token,
+    however loaded the machine is (no test may depend on timing). .stopped stops counting them."""
+    import bench as bench_module
+
+    class Clock:
+        passes, reads, stopped = 0, 0, False
+
+        def tick(self, module, args):
+            if type(module).__name__.endswith("ForCausalLM") and not self.stopped:
+                self.passes += 1
+
+        def now(self, device):  # and 2^-20 s a reading, exact in a float: the bandwidth probe divides by it
+            self.reads += 1
+            return self.passes + self.reads * 2**-20
+    clock = Clock()
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(clock.tick)
+    monkeypatch.setattr(bench_module, "sync_time", clock.now)
+    yield clock
+    hook.remove()
+
+
+def test_bench_transformers_baseline_runs_on_cpu(tmp_path, monkeypatch, capsys, forward_clock):
+    """n new tokens take n forward passes: runs of 16 and 4 differ by 12 passes, one a step."""
     out = tmp_path / "hf.json"
     code, _, err = bench_in_process(monkeypatch, capsys, "hf", "--shape", "tiny", "--device", "cpu", "--batch", "2",
                                     "--new-tokens", "16", "--prompt-len", "8", "--json", out)
     assert code == 0, err
     (row,) = json.loads(out.read_text())["rows"]
-    assert (row["batch"], row["prompt_len"]) == (2, 8) and row["tokens_per_s"] > 0
+    assert (row["batch"], row["prompt_len"], row["ms_per_step"], row["tokens_per_s"]) == (2, 8, 1000.0, 2.0)
     # with two new tokens its shorter run generates one token, not none (which transformers refuses)
     code, _, err = bench_in_process(monkeypatch, capsys, "hf", "--shape", "tiny", "--device", "cpu", "--batch", "1",
                                     "--new-tokens", "2", "--prompt-len", "8")
     assert code == 0, err
+
+
+def test_the_hf_step_is_the_median_of_several_differences_so_one_slowed_run_does_not_count():
+    """Under load one difference of two timings gave -1090.27 tokens/s. Runs of 16 and 4 new tokens, five pairs:
+    differences of 12, -6 (the short run slowed), 24, 12 and 36 seconds: 1 s a step, their median."""
+    import bench as bench_module
+    durations = iter([14, 2, 3, 9, 26, 2, 15, 3, 40, 4])  # (16 tokens, 4 tokens) in turn
+    assert bench_module.step_from_run_lengths(lambda n: next(durations), 16, "batch 1") == 1.0
+    flat = iter([5.0] * 10)
+    with pytest.raises(ValueError) as refused:
+        bench_module.step_from_run_lengths(lambda n: next(flat), 16, "batch 1")
+    assert str(refused.value) == ("the hf step at batch 1 could not be timed: 16 new tokens took no longer than 4 in "
+                                  "5 of 5 tries (a machine too busy, or runs too short); give a larger --new-tokens, "
+                                  "or run it on a quieter machine")
+
+
+def test_an_hf_step_that_cannot_be_timed_is_refused_in_one_line_never_a_negative_rate(tmp_path, monkeypatch, capsys,
+                                                                                      forward_clock):
+    forward_clock.stopped = True  # every run takes no time: no step to measure
+    out = tmp_path / "hf.json"
+    code, stdout, err = bench_in_process(monkeypatch, capsys, "hf", "--shape", "tiny", "--device", "cpu", "--batch",
+                                         "2", "--new-tokens", "16", "--prompt-len", "8", "--json", out)
+    assert code == 2 and "tokens_per_s" not in stdout
+    assert err.strip().splitlines()[-1].startswith("error: the hf step at batch 2 could not be timed: 16 new tokens "
+                                                   "took no longer than 4 in 5 of 5 tries"), err
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +294,7 @@ def test_a_plot_that_fails_to_write_after_the_run_keeps_the_rows_and_says_where(
     (line,) = err.splitlines()
     assert line.startswith(f"error: --plot {tmp_path / 'plot.png'} could not be written (No space left on device)")
     saved = tmp_path / "rows.json" if with_json else next(tmp_path.glob("bench-rows-*.json"))
-    assert line.endswith(f"the 1 row(s) measured are in {saved}"), line
+    assert line.endswith(f"what was measured (1 row) is in {saved}"), line
     record = strict_json(saved)
     assert record["complete"] is True and record["rows"][0]["tokens_per_s"] > 0
     assert not (tmp_path / "plot.png").exists()

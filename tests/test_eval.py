@@ -77,7 +77,8 @@ def test_eval_writes_items_summaries_and_table_then_resumes(checkpoints, tmp_pat
     assert len(again) == len(lines) and json.loads(again[-1]) == rows[-1]
 
 
-def test_the_table_has_mean_tokens_beside_accuracy_and_the_plot_runs_from_0_to_1(checkpoints, tmp_path, monkeypatch):
+def test_the_table_has_mean_tokens_beside_accuracy_and_the_plot_shows_a_lone_budget_and_0(checkpoints, tmp_path,
+                                                                                          monkeypatch):
     from matplotlib.figure import Figure
     saved = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append((fig, path)))
@@ -89,7 +90,12 @@ def test_the_table_has_mean_tokens_beside_accuracy_and_the_plot_runs_from_0_to_1
     assert "| policy | budget | accuracy | mean tokens |" in table
     assert f"| longflow | 40 | 0.000 | {mean_tokens:.0f} |" in table
     ((fig, path),) = saved
-    assert path == out / "compare.png" and fig.axes[0].get_ylim() == (0, 1)
+    assert path == out / "compare.png"
+    [full] = [line for line in fig.axes[0].get_lines() if line.get_label() == "full (all tokens)"]
+    assert list(full.get_ydata()) == [0, 0]  # the tiny model answers nothing right: the full cache's line at 0
+    assert fig.axes[0].get_ylim() == (-0.05, 1.05)  # inside the frame, not on it
+    # the one budget with half a doubling either side (matplotlib's own axis was 40 +- 5%: 38 to 42)
+    assert fig.axes[0].get_xlim() == (40 / 2**0.5, 40 * 2**0.5)
 
 
 def test_a_finished_run_run_again_keeps_its_measured_speed_and_kv_bytes(checkpoints, tmp_path):
@@ -130,7 +136,7 @@ def test_each_generation_is_written_as_it_finishes_so_an_interrupted_run_keeps_t
     assert stop.value.code == 130
     assert len((out / "mini_full_all.jsonl").read_text().splitlines()) == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == (f"interrupted: 2 of 12 generations are saved in {out}; run the same command "
+    assert err.splitlines()[-1] == (f"interrupted: 2 generations of 12 saved in {out}; run the same command "
                                     "to resume with the rest")
     monkeypatch.setattr(tinyflow.LLM, "generate", real_generate)
     run_eval(checkpoints, data, out)
@@ -522,7 +528,7 @@ def test_an_interrupted_fidelity_sweep_keeps_the_finished_budgets_and_says_so(ch
         ev.main([str(a) for a in fidelity_args(checkpoints, out)] + ["--runs", "longflow:40", "longflow:48"])
     err = capsys.readouterr().err
     assert stop.value.code == 130
-    assert err.splitlines()[-1] == (f"interrupted: 1 of 2 runs are measured and saved in {out}; run the same "
+    assert err.splitlines()[-1] == (f"interrupted: 1 run of 2 measured and saved in {out}; run the same "
                                     "command to resume with the rest")
     assert (out / "fidelity_longflow_40.json").exists() and not (out / "fidelity_longflow_48.json").exists()
 

@@ -26,11 +26,52 @@ def test_a_budget_that_holds_everything_measures_exactly_no_difference(checkpoin
     assert small["texts"] == ["rust/ch04-01-what-is-ownership", "rust/ch08-02-strings"]
     table = (out / "fidelity.md").read_text()
     assert "| longflow | 40 |" in table and "| streaming | 40 |" in table
+    assert roomy["diverged"] == 0 and next(line for line in table.splitlines() if "| longflow | 100 |" in line
+                                           ).endswith("| none in 24 | 100% |")  # not 24, which reads as a position
 
     # a second call finds every run finished with the same settings and scores nothing again
     before = {p.name: p.read_text() for p in out.glob("fidelity_*.json")}
     fidelity(checkpoints["qwen3"], out, "longflow:100", "longflow:40", "streaming:40")
     assert {p.name: p.read_text() for p in out.glob("fidelity_*.json")} == before
+
+
+def summary(policy, budget, nll, first, diverged):
+    return dict(policy=policy, budget=budget, prompt_compression="snapkv", nll_increase=nll, nll_increase_err=0.05,
+                top1=0.9, top1_err=0.01, kl=0.1, kl_err=0.01, first_divergence=first, diverged=diverged,
+                equal_share=0.5, texts=["a", "b"], settings={"free_tokens": 32})
+
+
+def test_free_generation_says_none_diverged_or_that_its_mean_is_a_lower_bound(tmp_path):
+    """A text whose greedy tokens never left the full cache's counts at the cap (--free-tokens 32)."""
+    ev.write_fidelity_table([summary("h2o", 64, 0.3, 10, 2), summary("longflow", 64, 0.3, 32, 0),
+                             summary("tova", 64, 0.3, 20, 1)], tmp_path)
+    cells = [line.split(" | ")[-2] for line in (tmp_path / "fidelity.md").read_text().splitlines()[2:]]
+    assert cells == ["10", "none in 32", "≥ 20 (1 of 2 texts: none in 32)"]
+
+
+def test_the_policies_error_bars_at_one_budget_stand_side_by_side(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    ev.write_fidelity_table([summary(p, b, 0.3, 10, 2) for p in ("h2o", "longflow", "tova") for b in (64, 128)],
+                            tmp_path)
+    (fig,) = saved
+    lines = {bars.get_label(): list(bars.lines[0].get_xdata()) for bars in fig.axes[0].containers}
+    assert sorted(lines) == ["h2o", "longflow", "tova"]
+    for at in zip(*lines.values()):  # each budget: three x positions, in the policies' order, around it
+        assert at[0] < at[1] < at[2] and at[1] in (64, 128)
+
+
+def test_one_text_and_one_run_are_counted_in_the_singular(checkpoints, tmp_path, monkeypatch, capsys):
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ev, "score_in_lock_step", ctrl_c)
+    with pytest.raises(SystemExit) as stop:
+        fidelity(checkpoints["qwen3"], tmp_path / "fid", "longflow:40", extra=["--rust-texts", "1"])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 130
+    assert "fidelity: budget 40: longflow:40 against the full cache, 1 text x 48 tokens\n" in out
+    assert err.splitlines()[-1].startswith("interrupted: 0 runs of 1 measured and saved in ")
 
 
 def test_lock_step_kl_equals_kl_of_the_kept_distributions(checkpoints):

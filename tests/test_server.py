@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -187,6 +188,34 @@ def test_a_default_sampling_setting_out_of_range_refuses_to_start_the_server(mod
                                   "(0, 1]: correct it in that file")
 
 
+def start_refused(model_dir, *options) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "server.py"), "--model", str(model_dir), "--device", "cpu",
+                           "--no-compile", *options], capture_output=True, text=True, timeout=300)
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(model_dir):
+    """uvicorn binds only once the server is compiled (70 s on a GPU), then fails with its own ERROR and exit 3:
+    the address is checked first, and the model is never loaded (no 'compiling' line)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = start_refused(model_dir, "--port", str(port))
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr == (f"error: port {port} on 127.0.0.1 is in use (Address already in use); stop what listens "
+                        f"there or give another --port\n")
+
+
+@pytest.mark.parametrize("host, why", [("999.1.1.1", "Name or service not known"),
+                                       ("192.0.2.1", "Cannot assign requested address")],  # TEST-NET-1: no one's
+                         ids=["not-an-address", "not-this-machines"])
+def test_a_host_that_is_not_this_machines_is_refused_in_one_line_before_the_model_loads(model_dir, host, why):
+    r = start_refused(model_dir, "--host", host, "--port", str(free_port()))
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr == (f"error: --host {host} is not an address of this machine ({why}); give 127.0.0.1 (this "
+                        f"machine only), 0.0.0.0 (every interface) or one of its own addresses\n")
+
+
 def wait_until_idle(server, seconds=120.0):
     deadline = time.time() + seconds
     while server.active() and time.time() < deadline:
@@ -283,6 +312,8 @@ BAD_CHAT = [
     ("an unknown template option", {"model": "tiny", "messages": HELLO, "chat_template_kwargs": {"x": 1}}, 400,
      "chat_template_kwargs"),
     ("tools", {"model": "tiny", "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("a role the API does not have", {"model": "tiny", "messages": [{"role": "wizard", "content": "Hi"}]}, 400,
+     "messages"),
     ("a lone surrogate", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
 ]
 
@@ -300,6 +331,24 @@ def test_a_bad_chat_request_gets_its_status(server, what, body, status, param):
     r = server.post("/v1/chat/completions", body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_role_the_openai_api_does_not_have_is_refused_naming_the_roles_it_has(server):
+    wizard = {"role": "wizard", "content": "Hi"}
+    r = server.post("/v1/chat/completions", {"model": "tiny", "messages": [*HELLO, wizard]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "message 1 has the role 'wizard'; a role is one of system, developer, user, assistant, tool")
+
+
+def test_a_developer_message_is_the_system_message_and_a_tool_message_reaches_the_template(server, tok):
+    """OpenAI's developer role is its newer name for system, which is what chat templates know (Qwen3's leaves out
+    a role it does not know): the prompt is the system message's. A tool message goes to the template as it is."""
+    said = lambda role: [{"role": role, "content": "Answer briefly."}, *HELLO,
+                         {"role": "assistant", "content": "Hi"}, {"role": "tool", "content": "42"}]
+    r = server.client.chat.completions.create(model="tiny", messages=said("developer"), max_tokens=2)
+    assert r.usage.prompt_tokens == len(tok.chat(said("system")))
+    assert tok.render(said("developer")) == tok.render(said("system"))
+    assert "<|im_start|>tool\n42<|im_end|>" in tok.render(said("system"))
 
 
 @pytest.mark.parametrize("method, path, status, says", [
@@ -336,6 +385,16 @@ def test_a_sampling_setting_out_of_range_is_refused_as_the_routes_own_checks_say
     r = server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", name: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
     assert r.json()["error"]["message"] == message
+
+
+def test_a_prompt_of_the_whole_context_is_refused_and_one_a_token_shorter_gets_one_token(server):
+    """The tiny model's context is 512 positions: a 512-token prompt leaves no room for an answer."""
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": [7] * 512})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == ("the prompt is 512 tokens, and this server's context is 512: no room "
+                                            "for an answer")
+    r = server.client.completions.create(model="tiny", prompt=[7] * 511, extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (1, "length")
 
 
 def test_a_body_over_the_size_limit_gets_413(server):
