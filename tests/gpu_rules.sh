@@ -15,21 +15,22 @@ log=$OUT/log.txt
   date -u; echo "== $*"; } >> $log
 case "$1" in
 kernel)
-  timeout 200 python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1
+  timeout 120 python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1
   echo "kernel tests rc=$?" >> $log
-  for round in 1 2; do
+  for round in ${ROUNDS:-1 2}; do
     for tree in before after; do
       dir=$([ $tree = before ] && echo before || echo .)
-      (cd $dir && timeout 90 python bench.py kernel --batch 1 64 256 --json $OUT/kernel_${tree}_$round.json \
+      (cd $dir && timeout 80 python bench.py kernel --batch 1 64 256 --json $OUT/kernel_${tree}_$round.json \
         > /dev/null 2>> $log)
       echo "kernel $tree $round rc=$?" >> $log
     done
   done ;;
 step)
-  timeout 300 python -m pytest -q tests/test_generate.py -p no:cacheprovider -k cuda_graph_replay >> $log 2>&1
+  timeout ${GRAPH_S:-300} python -m pytest -q tests/test_generate.py -p no:cacheprovider \
+    -k "cuda_graph_replay and (${GRAPHED:-longflow or lazy or snapkv or triattention})" >> $log 2>&1
   echo "graph tests rc=$?" >> $log
-  for policy in ${POLICIES:-longflow longflow-head tova h2o vatp longflow-ema snapkv-decode}; do
-    timeout 150 python bench.py step --shape Qwen3-8B --batch ${BATCHES:-1 64} --policy $policy \
+  for policy in ${POLICIES:-longflow longflow-ema h2o snapkv-decode lazy}; do
+    timeout 50 python bench.py step --shape Qwen3-8B --batch ${BATCHES:-1 64} --policy $policy \
       --json $OUT/step_$policy.json >> $log 2>&1
     echo "step $policy rc=$?" >> $log
   done ;;
