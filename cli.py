@@ -1,6 +1,6 @@
 """The command line that generate.py, server.py, bench.py and eval.py share: argparse with one-line errors
 and the defaults in --help, the model and cache options, the refusal of options that would be ignored,
-reading a prompt, and how a command ends (bad input: one line and exit status 2, as argparse's own errors;
+reading a prompt, the sampling flags, what generate.py prints, and how a command ends (bad input: one line and exit status 2, as argparse's own errors;
 Ctrl-C: 130; a reader gone: 1)."""
 import argparse
 import os
@@ -11,6 +11,7 @@ import parallel
 from cache import KV_DTYPES
 from policies import POLICIES, PROMPT_RULES
 from model import DTYPES, WEIGHTS
+from sampling import BadSetting, Sampling
 
 
 # ---- parsing -------------------------------------------------------------------------------------------
@@ -155,6 +156,50 @@ def reader_gone():
     """`generate.py ... | head -1`: the reader has gone, so has the output; end quietly (exit status 1)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
     sys.exit(1)
+
+
+def sampling_from_flags(given: dict, defaults: dict) -> Sampling:
+    """--temperature, --top-k, --top-p, --repetition-penalty as given (a setting absent or None: not given), and
+    the model's defaults for those not given; a refusal names the flag (eval.py's too)."""
+    given = {name: given.get(name) for name in ("temperature", "top_k", "top_p", "repetition_penalty")}
+    try:
+        return Sampling.with_defaults(defaults, **given)
+    except BadSetting as e:
+        flag = "--" + e.setting.replace("_", "-")
+        if given[e.setting] is None:
+            raise ValueError(e.as_default(f"give {flag} to override it")) from None
+        raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None
+
+
+def prompt_ids(tok, text: str, args) -> list[int]:
+    """The prompt through the model's chat template (--chat; by default when it has one), or as plain text."""
+    if args.chat and tok.template is None:
+        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
+    chat = tok.template is not None if args.chat is None else args.chat
+    return tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
+
+
+class Screen:
+    """What generate.py prints: a single sequence streamed as it is generated, several each whole at the end,
+    then the run's statistics."""
+
+    def __init__(self, tok, batch: int):
+        self.tok, self.batch, self.printed = tok, batch, ""
+
+    def stream(self, new_ids, last=False):  # print the text decoded so far, past what is already on screen
+        out = self.tok.decode(new_ids)
+        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
+            return
+        print(out[len(self.printed):], end="", flush=True)
+        self.printed = out
+
+    def show(self, outs, stats):  # the text (a single sequence has streamed already), then the statistics
+        if self.batch == 1:
+            self.stream(outs[0], last=True)  # whatever a cut-off character held back
+        else:
+            for i, o in enumerate(outs):
+                print(f"--- sequence {i} ---\n{self.tok.decode(o)}")
+        print("\n" + stats.line(), flush=True)
 
 
 # ---- how a command ends ----------------------------------------------------------------------------------

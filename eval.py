@@ -1140,7 +1140,7 @@ def parse_args(argv):
 
 def check_args(args):
     """Refuse, before anything loads, what cannot work (argparse checked each number alone)."""
-    from generate import sampling_from_flags
+    from cli import sampling_from_flags
     check_out(Path(args.out))
     sampling_from_flags(chosen_protocol(args).sampling, {})  # those from the model are checked once it loads
     check_seed(args.seed)
@@ -1247,7 +1247,7 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     """Load the model once, check every run's settings against its files, then evaluate each run in turn;
     its summary is written as it ends."""
     import tinyflow
-    from generate import sampling_from_flags
+    from cli import sampling_from_flags
     policy, budget, _ = runs[0]
     import parallel
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,

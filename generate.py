@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,14 +21,15 @@ import torch
 
 from cache import KV_DTYPES, KVCache
 from policies import POLICIES, Policy, is_int, resolve_policy
-from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args,
-                 ignore_further_interrupts, positive_int, read_prompt, run_as_command, run_command)
+from cli import (Parser, Screen, add_cache_options, batch_size, check_policy_args, check_sampling_args,
+                 ignore_further_interrupts, positive_int, prompt_ids, read_prompt, run_as_command, run_command,
+                 sampling_from_flags)
 import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
-from model import DTYPES, MLP_TOKENS, Block, Transformer, load
-from sampling import BadSetting, Sampler, Sampling, on_device, seeds_for, settings_for
-from step import RING, Forcing, PrefillGraphs, State, Stepper, compiled_prefill
+from model import MLP_TOKENS, Block, Transformer, load, pick_device
+from sampling import Sampler, Sampling, on_device, seeds_for, settings_for
+from step import RING, DeviceTimer, Forcing, PrefillGraphs, State, Stepper, compiled_prefill, sync_time
 
 # ---- the generation loop ------------------------------------------------------------------------------
 @dataclass
@@ -531,30 +531,6 @@ class Engine:
         return first, (first, logp.gather(1, first[:, None])[:, 0], logits.argmax(-1))
 
 
-class DeviceTimer:
-    """The device's time for the work queued from its making to stop(), read after a later host sync without
-    adding one: CUDA events on a GPU; on the CPU, which runs each op as it is called, the host's clock."""
-
-    def __init__(self, device):
-        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.stream else None
-        self.times = [time.perf_counter()] * 2
-        if self.events:
-            self.events[0].record(self.stream)
-
-    def stop(self) -> "DeviceTimer":
-        if self.events:
-            self.events[1].record(self.stream)
-        self.times[1] = time.perf_counter()
-        return self
-
-    def seconds(self) -> float:
-        if not self.events:
-            return self.times[1] - self.times[0]
-        self.events[1].synchronize()  # done already after the host sync that reads the work's results
-        return self.events[0].elapsed_time(self.events[1]) / 1e3
-
-
 @dataclass
 class Admitted:
     """Requests `taken` prefilled into cache `rows`, their first outputs still on the device (per group: tokens
@@ -594,35 +570,6 @@ def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"
     distinct = dict(zip(map(id, prompts), prompts)).values()  # a prompt given many times is checked once
     if not all(is_int(t) and 0 <= t < vocab_size for p in distinct for t in p):
         raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model")
-
-
-def sync_time(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def pick_device(device: str | None, dtype: str | torch.dtype | None):
-    """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
-        raise ValueError(f"unsupported device {str(device)!r}; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA was asked for but is not available on this machine; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    return device, dtype
 
 
 # ---- the command line ---------------------------------------------------------------------------------
@@ -686,27 +633,6 @@ def run(args):
     screen.show(outs, stats)
 
 
-def sampling_from_flags(given: dict, defaults: dict) -> Sampling:
-    """--temperature, --top-k, --top-p, --repetition-penalty as given (a setting absent or None: not given), and
-    the model's defaults for those not given; a refusal names the flag (eval.py's too)."""
-    given = {name: given.get(name) for name in ("temperature", "top_k", "top_p", "repetition_penalty")}
-    try:
-        return Sampling.with_defaults(defaults, **given)
-    except BadSetting as e:
-        flag = "--" + e.setting.replace("_", "-")
-        if given[e.setting] is None:
-            raise ValueError(e.as_default(f"give {flag} to override it")) from None
-        raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None
-
-
-def prompt_ids(tok, text: str, args) -> list[int]:
-    """The prompt through the model's chat template (--chat; by default when it has one), or as plain text."""
-    if args.chat and tok.template is None:
-        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
-    chat = tok.template is not None if args.chat is None else args.chat
-    return tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
-
-
 def max_batch(engine: Engine, args, prompt_len: int) -> int:
     """--batch-size max: the most copies of the prompt whose cache fits for the whole output length."""
     if engine.device.type != "cuda":
@@ -717,29 +643,6 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")
     return fits
-
-
-class Screen:
-    """What generate.py prints: a single sequence streamed as it is generated, several each whole at the end,
-    then the run's statistics."""
-
-    def __init__(self, tok, batch: int):
-        self.tok, self.batch, self.printed = tok, batch, ""
-
-    def stream(self, new_ids, last=False):  # print the text decoded so far, past what is already on screen
-        out = self.tok.decode(new_ids)
-        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
-            return
-        print(out[len(self.printed):], end="", flush=True)
-        self.printed = out
-
-    def show(self, outs, stats):  # the text (a single sequence has streamed already), then the statistics
-        if self.batch == 1:
-            self.stream(outs[0], last=True)  # whatever a cut-off character held back
-        else:
-            for i, o in enumerate(outs):
-                print(f"--- sequence {i} ---\n{self.tok.decode(o)}")
-        print("\n" + stats.line(), flush=True)
 
 
 def main(argv=None):

@@ -676,6 +676,29 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 WEIGHTS = ("auto", "fp8")  # as stored, or the layers' linear weights quantized into FP8 blocks at load (fp8.py)
 
 
+def pick_device(device: str | None, dtype: str | torch.dtype | None):
+    """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise ValueError(f"unsupported device {str(device)!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA was asked for but is not available on this machine; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    return device, dtype
+
+
 def load(name: str, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
     """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer.
     weights: "auto", the layers' weights as the checkpoint stores them (16-bit, or FP8 blocks), or "fp8",

@@ -9,6 +9,7 @@ the next token is the step's mode: a Sampler (generation) or a Forcing (teacher 
 given continuation, and how likely the model found it).
 """
 import copy
+import time
 import types
 from dataclasses import dataclass
 from typing import ClassVar
@@ -334,3 +335,34 @@ class Stepper:
             self.graphs[self.hot, self.size].replay()
         else:
             self.step(self.hot)
+
+
+# ---- the device's time -----------------------------------------------------------------------------------
+def sync_time(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class DeviceTimer:
+    """The device's time for the work queued from its making to stop(), read after a later host sync without
+    adding one: CUDA events on a GPU; on the CPU, which runs each op as it is called, the host's clock."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.stream else None
+        self.times = [time.perf_counter()] * 2
+        if self.events:
+            self.events[0].record(self.stream)
+
+    def stop(self) -> "DeviceTimer":
+        if self.events:
+            self.events[1].record(self.stream)
+        self.times[1] = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if not self.events:
+            return self.times[1] - self.times[0]
+        self.events[1].synchronize()  # done already after the host sync that reads the work's results
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
