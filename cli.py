@@ -1,7 +1,7 @@
 """The command line that generate.py, server.py, bench.py and eval.py share: argparse with one-line errors
 and the defaults in --help, the model and cache options, the refusal of options that would be ignored,
-reading a prompt, the sampling flags, what generate.py prints, and how a command ends (bad input: one line and exit status 2, as argparse's own errors;
-Ctrl-C: 130; a reader gone: 1)."""
+reading a prompt, the sampling flags, what generate.py prints, and how a command ends (bad input: one line and
+exit status 2, as argparse's own errors; Ctrl-C: 130; a reader gone: 1)."""
 import argparse
 import os
 import signal
@@ -238,9 +238,9 @@ AS_COMMAND = False  # in a command's own process (run_as_command), not in a Pyth
 
 def run_as_command(main):
     """Each command's `if __name__ == "__main__":`: main() in a process of its own. Under torchrun the process
-    then ends at once, its output flushed (os._exit): ranks that had finished and left the process group were
-    seen to abort in the interpreter's own shutdown ("terminate called without an active exception", SIGABRT;
-    in 3 of 12 runs of the test suite, which starts a dozen torchruns), as PyTorch's gloo threads are known to
+    then ends at once, its output flushed (os._exit): ranks that had finished and left the process group can
+    abort in the interpreter's own shutdown ("terminate called without an active exception", SIGABRT; docs/
+    performance.md, "Measurements that code comments used to hold"), as PyTorch's gloo threads are known to
     when their last objects go during finalization (pytorch/pytorch#179291)."""
     global AS_COMMAND
     AS_COMMAND = True

@@ -15,7 +15,7 @@ SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fra
 
 def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
     """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
-    decode step's buffers and `extra` bytes. The step's share: 48 bytes per vocabulary id, as measured on an H200
+    decode step's buffers and `extra` bytes. The step's share: 48 bytes per vocabulary id, measured
     (docs/performance.md, "A server under load, and the memory planner"): the sampler's logits, probabilities,
     noise and sort buffers (fp32/int64, 40 bytes), the ids its repetition penalty has seen (1 byte), the step's
     temporaries in its graphs' pool (the rest); with FP8, also one layer's keys as values, which the rules that
@@ -43,8 +43,8 @@ def device_free_bytes(device) -> int:
     """Free GPU memory as PyTorch can use it: the device's, and what its caching allocator holds for no tensor
     (a benchmark's probe copies, the last cache's step buffers), which it gives back to a new allocation that
     needs it, but for the free pieces of blocks that still hold a tensor (it can give those back to nothing
-    larger). The device's own count left out the 8 GiB that bench.py's bandwidth probe had used
-    (docs/performance.md, "A server under load, and the memory planner")."""
+    larger); the device's own count leaves that memory out (docs/performance.md, "A server under load, and the
+    memory planner")."""
     held_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     pieces = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
     return torch.cuda.mem_get_info(device)[0] + held_free - pieces
@@ -58,8 +58,7 @@ def allocated(device) -> int:
 def free_bytes(engine) -> int:
     """Free GPU memory, counting what the engine's current shape holds (its cache, buffers and what its captured
     steps keep: engine.held_bytes, measured when they were made), which is given back, or kept for the same
-    shape, before a new cache is made. (Counting its cache alone, the same batch asked again was refused at 508
-    rows of an FP8 cache.)"""
+    shape, before a new cache is made: counting its cache alone would refuse the same batch asked again."""
     return device_free_bytes(engine.device) + (engine.held_bytes if engine.cache is not None else 0)
 
 

@@ -648,7 +648,7 @@ def check_vocab(tok: Tokenizer, cfg: Config, eos_source: str):
     """Token ids the model has no embedding for are refused at load, not when a prompt or EOS first holds
     one. eos_source: the file tok.eos_ids come from."""
     # the highest id: the model's own ids count up from 0, added tokens take theirs (a dict of the whole
-    # vocabulary would cost a tenth of a second)
+    # vocabulary would be slow to build)
     top = max([tok.tok.get_vocab_size(with_added_tokens=False) - 1, *tok.tok.get_added_tokens_decoder()])
     if top >= cfg.vocab_size:
         raise ValueError(f"the tokenizer has ids up to {top} but the model's vocab_size is {cfg.vocab_size}: "

@@ -30,9 +30,9 @@ def check_own_modules():
 check_own_modules()
 from cache import KV_DTYPES
 from policies import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
-from generate import Engine, Interrupted, Stats, pick_device  # noqa: E402
+from generate import Engine, Interrupted, Stats  # noqa: E402
 from sampling import Sampling  # noqa: E402
-from model import DTYPES, WEIGHTS, load  # noqa: E402
+from model import DTYPES, WEIGHTS, load, pick_device  # noqa: E402
 from parallel import join, launched  # noqa: E402
 
 
