@@ -180,8 +180,9 @@ def prompt_ids(tok, text: str, args) -> list[int]:
 
 
 class Screen:
-    """What generate.py prints: a single sequence streamed as it is generated, several each whole at the end,
-    then the run's statistics."""
+    """What generate.py prints: on standard output the answer alone (a single sequence streamed as it is
+    generated, several each whole at the end), so that `generate.py ... > answer.txt` holds it; the run's
+    statistics on standard error."""
 
     def __init__(self, tok, batch: int):
         self.tok, self.batch, self.printed = tok, batch, ""
@@ -196,10 +197,11 @@ class Screen:
     def show(self, outs, stats):  # the text (a single sequence has streamed already), then the statistics
         if self.batch == 1:
             self.stream(outs[0], last=True)  # whatever a cut-off character held back
+            print(flush=True)  # the answer's last line ends
         else:
             for i, o in enumerate(outs):
-                print(f"--- sequence {i} ---\n{self.tok.decode(o)}")
-        print("\n" + stats.line(), flush=True)
+                print(f"--- sequence {i} ---\n{self.tok.decode(o)}", flush=True)
+        say(stats.line() if parallel.rank() == 0 else None)  # (the other ranks' standard output is closed)
 
 
 # ---- how a command ends ----------------------------------------------------------------------------------

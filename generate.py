@@ -27,7 +27,7 @@ from cli import (Parser, Screen, add_cache_options, batch_size, check_policy_arg
 import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
-from model import MLP_TOKENS, Block, Transformer, load, pick_device
+from model import MLP_TOKENS, Block, Transformer, load, pick_device, plural
 from sampling import Sampler, Sampling, on_device, seeds_for, settings_for
 from step import RING, DeviceTimer, Forcing, PrefillGraphs, State, Stepper, compiled_prefill, sync_time
 
@@ -48,10 +48,14 @@ class Stats:
     #                     the longest sequence
     longest: int = 0  # the longest sequence, prompt and output
     compiled: bool = True  # whether setup_s compiled the step
+    prefilling: int = 0  # interrupted: the prompt tokens whose prefill Ctrl-C cut short
 
     def line(self) -> str:
         rate = self.generated_tokens / max(self.prefill_s + self.decode_s, 1e-9)
         setup = "compile" if self.compiled else "setup"
+        if self.prefilling and not self.generated_tokens:  # Ctrl-C before the first token: say what it cut
+            return (f"interrupted during prefill of {plural(self.prefilling, 'prompt token')}, nothing generated "
+                    f"({self.prefill_s + self.decode_s:.2f} s; {setup} {self.setup_s:.1f} s); {self.kv_line()}")
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok in "
                 f"{self.prefill_s + self.decode_s:.2f} s ({rate:.1f} tok/s, batch {self.batch}; prefill "
                 f"{self.prefill_s:.2f} s, {setup} {self.setup_s:.1f} s); {self.kv_line()}")
@@ -80,6 +84,7 @@ class Progress:
     """A run's outputs so far (per prompt) and its prefill time: what Interrupted reports."""
     outs: list | dict  # per prompt (a server's: by request number, while it runs)
     prefill_s: float = 0.0
+    prefilling: int = 0  # the prompt tokens being prefilled, until their first tokens are read
 
 
 @dataclass
@@ -270,7 +275,9 @@ class Engine:
         try:
             yield from self._run(run, requests, on_tokens)
         except KeyboardInterrupt:
-            raise Interrupted(run.outs, stats()) from None
+            cut = stats()
+            cut.prefilling = run.prefilling
+            raise Interrupted(run.outs, cut) from None
         return run.outs, stats()
 
     def _stats(self, prompts, run: Progress, batch, setup_s, seconds, slots, policy) -> Stats:
@@ -343,7 +350,7 @@ class Engine:
         while True:
             if fed and not self._take_arrivals(requests, serving):
                 return  # the server stops
-            admitted = self._fill_free_rows(requests, serving)  # rows free before the block, behind it on the GPU
+            admitted = self._fill_free_rows(requests, serving, run)  # rows free before the block, behind it on the GPU
             if launched:
                 cols = torch.arange(steps_read, steps_read + self.sync_every) % RING
                 self._keep_block(requests, serving, self._read_block(cols), cols)
@@ -381,13 +388,14 @@ class Engine:
             self.cache.reset(on_device(free, self.device))
         return True
 
-    def _fill_free_rows(self, requests: Requests, serving: list) -> "Admitted":
+    def _fill_free_rows(self, requests: Requests, serving: list, run: Progress) -> "Admitted":
         """Prefill waiting requests into the free rows, with their first outputs left on the device: nothing here
         waits for the GPU, so this runs while a launched block decodes."""
         rows = [b for b in range(len(serving)) if serving[b] is None][:len(requests.waiting)]
         taken = [requests.waiting.popleft() for _ in rows]
         if not rows:
             return Admitted([], [], [], None)
+        run.prefilling = sum(len(requests.prompts[p]) for p in taken)
         timer = DeviceTimer(self.device)
         firsts = self._admit(rows, requests, taken)
         return Admitted(rows, taken, firsts, timer.stop())
@@ -401,6 +409,7 @@ class Engine:
             if requests.settle(p):
                 serving[b] = None
         run.prefill_s += admitted.timer.seconds() if admitted.timer else 0.0
+        run.prefilling = 0
 
     def _compact(self, serving: list):
         """Move the busy rows that keep the step larger than their number needs (those at or above the smallest
@@ -573,14 +582,11 @@ def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"
 
 
 # ---- the command line ---------------------------------------------------------------------------------
-DEFAULT_PROMPT = "Briefly, why is the sky blue?"
-
-
 def parse_args(argv=None):
     p = Parser(prog="generate.py", description="Generate text with LongFlow KV-cache compression.")
     p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face id or local folder")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)  # no built-in question answered unasked
+    src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="a file whose whole content is the prompt ('-': standard input)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when it has one)")

@@ -672,6 +672,11 @@ def generation_defaults(gen: dict, path: str) -> dict:
     return gen
 
 
+def plural(n: int, word: str) -> str:
+    """"1 token", "2 tokens": a count and its noun, for messages."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # what weights load in
 WEIGHTS = ("auto", "fp8")  # as stored, or the layers' linear weights quantized into FP8 blocks at load (fp8.py)
 

@@ -80,8 +80,8 @@ def test_null_in_generation_config_and_config_means_not_set(checkpoints, tmp_pat
     folder = copy_of(checkpoints, tmp_path)
     edit_json(folder, "generation_config.json", update(do_sample=True, temperature=None, top_p=None))
     edit_json(folder, "config.json", update(rms_norm_eps=None, head_dim=None))
-    code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile")
-    assert code == 0 and "generated" in out, err
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile")
+    assert code == 0 and "generated" in err, err
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -222,17 +222,16 @@ def test_the_stats_line_names_the_policy_and_compares_the_same_rows(checkpoints,
     longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
     assert stats.full_kv_bytes == KVCache.bytes_needed(model.cfg, 2, longest, torch.float32, POLICIES["full"])
     assert "KV cache longflow, 40 slots/seq" in stats.line() and "a full cache would need" in stats.line()
-    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--max-new-tokens", "4",
+    code, _, err = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--max-new-tokens", "4",
                        "--no-compile")
-    assert code == 0 and "KV cache full," in out and "a full cache would need" not in out
+    assert code == 0 and "KV cache full," in err and "a full cache would need" not in err
 
 
 def test_help_shows_the_defaults(capsys, monkeypatch):
     import bench
     import eval as ev
     monkeypatch.setattr(sys, "argv", ["bench.py", "--help"])  # bench.main reads its options from sys.argv
-    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: Qwen/Qwen3-0.6B)", "(default: 512)",
-                                                                 generate.DEFAULT_PROMPT]),
+    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: Qwen/Qwen3-0.6B)", "(default: 512)"]),
                            (lambda: ev.main(["--help"]), ["default: Qwen/Qwen3-8B", "default: 0"]),
                            (bench.main, ["default: Qwen3-8B", "default: 16384"])):
         with pytest.raises(SystemExit) as stop:
@@ -267,10 +266,11 @@ def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoin
     r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["qwen3"], "--prompt-file", "-",
                         "--no-chat", "--max-new-tokens", "2", "--device", "cpu", "--no-compile"],
                        cwd=ROOT, input="Hello world", capture_output=True, text=True, timeout=300)
-    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
-                       "--max-new-tokens", "2", "--no-compile")
+    code, out, err = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
+                         "--max-new-tokens", "2", "--no-compile")
     assert r.returncode == 0 and code == 0, r.stderr
-    assert r.stdout.splitlines()[-1].split(" tok,")[0] == out.splitlines()[-1].split(" tok,")[0]  # same prompt
+    assert r.stderr.splitlines()[-1].split(" tok,")[0] == err.splitlines()[-1].split(" tok,")[0]  # same prompt
+    assert r.stdout == out  # and the same answer
     latin1 = tmp_path / "prompt.txt"
     latin1.write_bytes("café".encode("latin-1"))
     one_line_error(*cli(capsys, "--model", checkpoints["qwen3"], "--prompt-file", latin1)[::2],
@@ -280,8 +280,8 @@ def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoin
 def test_a_model_path_with_a_tilde_is_the_home_folder(checkpoints, tmp_path, capsys, monkeypatch):
     shutil.copytree(checkpoints["qwen3"], tmp_path / "ckpt")
     monkeypatch.setenv("HOME", str(tmp_path))
-    code, out, err = cli(capsys, "--model=~/ckpt", "--prompt", "Hi", "--max-new-tokens", "2", "--no-compile")
-    assert code == 0 and "generated" in out, err
+    code, _, err = cli(capsys, "--model=~/ckpt", "--prompt", "Hi", "--max-new-tokens", "2", "--no-compile")
+    assert code == 0 and "generated" in err, err
 
 
 def start(*args):
@@ -297,7 +297,8 @@ def test_ctrl_c_prints_what_was_generated_and_its_stats_then_exits_130(checkpoin
     out, err = run.communicate(timeout=300)
     assert run.returncode == 130 and first, err
     assert "Traceback" not in err and err.strip().endswith("interrupted")
-    assert "generated" in out and "KV cache longflow, 40 slots/seq" in out  # the stats of what was generated
+    assert "generated" in err and "KV cache longflow, 40 slots/seq" in err  # the stats of what was generated
+    assert "KV cache" not in out  # standard output holds the answer alone
 
 
 def test_a_second_ctrl_c_while_the_first_ones_output_is_written_is_ignored(checkpoints):
@@ -311,7 +312,7 @@ def test_a_second_ctrl_c_while_the_first_ones_output_is_written_is_ignored(check
     run.send_signal(signal.SIGINT)
     out, err = run.communicate(timeout=300)
     assert run.returncode == 130 and "Traceback" not in err and err.strip().endswith("interrupted"), err
-    assert "KV cache longflow, 40 slots/seq" in out
+    assert "KV cache longflow, 40 slots/seq" in err
 
 
 def test_a_reader_that_goes_away_ends_the_run_quietly(checkpoints):

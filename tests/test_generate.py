@@ -300,13 +300,17 @@ def test_refilled_rows_give_each_prompt_the_tokens_it_gets_alone(checkpoints, bu
     assert stats.batch == 2 and batched == alone
 
 
-def test_command_line_end_to_end(checkpoints):
-    """A real process: streams text and prints the stats line."""
+def test_command_line_end_to_end_the_answer_alone_on_stdout_the_stats_on_stderr(checkpoints):
+    """A real process: streams the answer on standard output, alone (`generate.py ... > answer.txt` holds just
+    it), and prints the stats line on standard error."""
     r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["llama"], "--prompt", "Hello",
                         "--max-new-tokens", "8", "--budget", "40", "--device", "cpu", "--no-compile"],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr
-    assert "generated" in r.stdout and "KV cache longflow, 40 slots/seq" in r.stdout
+    assert "generated 8 tok" in r.stderr and "KV cache longflow, 40 slots/seq" in r.stderr
+    llm = tinyflow.LLM(str(checkpoints["llama"]), device="cpu", compile=False, budget=40)
+    answer = llm.chat([{"role": "user", "content": "Hello"}], max_new_tokens=8)[0].text
+    assert r.stdout == answer + "\n"
 
 
 def test_command_line_batch_prints_every_sequence(checkpoints, capsys):
@@ -404,6 +408,14 @@ def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, mes
     assert code == 2 and message in err and err.startswith("error:") and err.count("\n") == 1, err
 
 
+def test_without_a_prompt_the_command_line_asks_for_one(checkpoints, capsys, monkeypatch):
+    """No built-in question answered unasked (a minute and more on a CPU): refused before the model loads."""
+    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--no-compile")
+    assert (code, out) == (2, "") and err == ("error: one of the arguments --prompt --prompt-file is required "
+                                              "(see --help)\n"), err
+
+
 def test_a_batch_too_large_for_memory_is_refused_before_its_prompts_are_checked(checkpoints, capsys, monkeypatch):
     """--batch-size 10**8 on the CPU: refused by its size at once, not after checking 10**8 copies of the prompt."""
     monkeypatch.setattr(generate, "check_request", lambda *a, **k: pytest.fail("the copies were checked first"))
@@ -429,28 +441,32 @@ def test_a_prompt_given_many_times_has_its_ids_checked_once():
 def test_the_stats_line_says_what_setup_timed_and_when_the_budget_held_everything(checkpoints, capsys):
     """Under --no-compile nothing compiles, so the setup time is not called compile; a budget longer than every
     sequence evicts nothing, and the line says so instead of comparing with a full cache."""
-    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 64,
-                         "--max-new-tokens", 4)
-    assert code == 0 and ", setup " in out and "compile" not in out, err
-    longest = int(re.search(r"prompt (\d+) tok", out)[1]) + 4  # the chat template's prompt and 4 new tokens
-    assert f"(the budget holds every token: the longest sequence has {longest}, none was evicted)" in out
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 64,
+                       "--max-new-tokens", 4)
+    assert code == 0 and ", setup " in err and "compile" not in err, err
+    longest = int(re.search(r"prompt (\d+) tok", err)[1]) + 4  # the chat template's prompt and 4 new tokens
+    assert f"(the budget holds every token: the longest sequence has {longest}, none was evicted)" in err
     model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     _, stats = Engine(model).generate([tok.encode("Hi")], 4, [], budget=36)  # compiled (code the compiler has cached)
     assert ", compile " in stats.line()
 
 
-def test_a_run_interrupted_before_any_token_compares_with_no_full_cache(checkpoints, monkeypatch):
-    """Ctrl-C during the first prefill: no token, so no sequence a full cache would hold (not "0.0 MiB")."""
+def test_a_run_interrupted_during_its_first_prefill_says_so_and_compares_with_no_full_cache(checkpoints, monkeypatch):
+    """Ctrl-C during the first prefill: the line says what was cut (not "prompt 0 tok, generated 0 tok"); no
+    token, so no sequence a full cache would hold (not "0.0 MiB")."""
     model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
     engine = Engine(model, compile=False)
 
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(engine, "_fill_free_rows", ctrl_c)  # the prefill that would give the first token
+    monkeypatch.setattr(engine, "_admit", ctrl_c)  # the prefill that would give the first tokens
+    prompts = [tok.encode("Hi"), tok.encode("Hello world")]
     with pytest.raises(generate.Interrupted) as stop:
-        engine.generate([tok.encode("Hi")], 4, [], 40)
+        engine.generate(prompts, 4, [], 40)
     line = stop.value.stats.line()
-    assert "generated 0 tok" in line and line.endswith(" MiB") and "full cache" not in line, line
+    tokens = len(prompts[0]) + len(prompts[1])
+    assert line.startswith(f"interrupted during prefill of {tokens} prompt tokens, nothing generated ("), line
+    assert line.endswith(" MiB") and "full cache" not in line, line
 
 
 def test_a_python_session_that_calls_main_keeps_its_ctrl_c_after_an_interrupted_run(checkpoints, capsys, monkeypatch):
@@ -458,10 +474,10 @@ def test_a_python_session_that_calls_main_keeps_its_ctrl_c_after_an_interrupted_
     a notebook that called main() must still be able to interrupt what it runs next."""
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(Engine, "_fill_free_rows", ctrl_c)
-    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--max-new-tokens", "4",
-                         "--no-compile")
-    assert code == 130 and err.strip().endswith("interrupted") and "generated 0 tok" in out, err
+    monkeypatch.setattr(Engine, "_admit", ctrl_c)
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--max-new-tokens", "4",
+                       "--no-compile")
+    assert code == 130 and err.strip().endswith("interrupted") and "nothing generated" in err, err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -480,9 +496,9 @@ def test_a_bad_default_sampling_setting_names_generation_config(checkpoints, tmp
     code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")
     assert code == 2 and err == ("error: this model's generation_config.json sets top_p to 1.5, which must be a "
                                  "number in (0, 1]: give --top-p to override it\n"), err
-    code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", "--top-p", "0.9",
-                         "--max-new-tokens", "2")
-    assert code == 0 and "generated 2 tok" in out, err
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", "--top-p", "0.9",
+                       "--max-new-tokens", "2")
+    assert code == 0 and "generated 2 tok" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
