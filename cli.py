@@ -120,17 +120,41 @@ def check_policy_args(args):
 def check_sampling_args(args, sampling):
     """--top-k, --top-p and --seed are refused when decoding is greedy (given or the model's default).
     sampling: the sampling.Sampling the run decodes with."""
-    given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
-             if value is not None]
-    if given and sampling.temperature == 0:
-        default = "" if args.temperature is not None else ", the model default"
-        raise ignored(given, f"when sampling, and this decodes greedily (temperature 0{default})",
-                      "add --temperature T (> 0)")
+    given = {f"--{name.replace('_', '-')}": getattr(args, name) for name in ("top_k", "top_p", "seed")}
+    refuse_when_greedy(given, sampling, args.temperature is not None, "add --temperature T (> 0)")
+
+
+def refuse_when_greedy(given: dict, sampling, temperature_given: bool, fix: str):
+    """Settings only sampling reads (top-k, top-p, the seed) refused when decoding is greedy, as the command line
+    and the API (tinyflow.LLM.generate) name them. given: name -> value (None: not given); sampling: the
+    sampling.Sampling the run decodes with; temperature_given: False when its 0 is the model's default."""
+    named = [name for name, value in given.items() if value is not None]
+    if named and sampling.temperature == 0:
+        default = "" if temperature_given else ", the model default"
+        raise ignored(named, f"when sampling, and this decodes greedily (temperature 0{default})", fix)
+
+
+def refuse_thinking(tok, name: str, chat: bool = True):
+    """A thinking switch (--thinking, --no-thinking, LLM.chat's enable_thinking) that the prompt would never
+    reach is refused: a plain-text prompt, or a chat template that does not read enable_thinking. name: the
+    switch as the caller gave it."""
+    if not chat:
+        raise ignored([name], "to a prompt in the model's chat template", "drop --no-chat")
+    if not tok.has_thinking_switch:
+        raise ValueError(f"{name} would be ignored: this model's chat template has no thinking switch (it never "
+                         f"reads enable_thinking); drop it")
 
 
 # ---- input and output ----------------------------------------------------------------------------------
+DEFAULT_PROMPT = "Briefly, why is the sky blue?"  # what `generate.py --model M --budget B` asks
+
+
 def read_prompt(args) -> str:
-    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text."""
+    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text; neither
+    given, DEFAULT_PROMPT, said on stderr (an answer to a question not asked would otherwise puzzle)."""
+    if args.prompt_file is None and args.prompt is None:
+        say(f"no --prompt given, so asking {DEFAULT_PROMPT!r} (give --prompt TEXT or --prompt-file FILE)")
+        return DEFAULT_PROMPT
     if args.prompt_file is None:
         return args.prompt
     name = "standard input" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
@@ -176,7 +200,9 @@ def prompt_ids(tok, text: str, args) -> list[int]:
     if args.chat and tok.template is None:
         raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
     chat = tok.template is not None if args.chat is None else args.chat
-    return tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
+    if args.thinking is not None:
+        refuse_thinking(tok, "--thinking" if args.thinking else "--no-thinking", chat)
+    return tok.chat([{"role": "user", "content": text}], args.thinking is not False) if chat else tok.encode(text)
 
 
 class Screen:

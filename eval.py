@@ -503,7 +503,8 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
                 bar.update(1, len(out.token_ids))
                 writing[0] += time.perf_counter() - start
 
-            llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens, seed=seeds,
+            llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens,
+                         seed=seeds if sampling["temperature"] > 0 else None,  # greedy: no seed to give
                          batch_size=batch_size, on_output=write, **sampling)
         stats = llm.stats
     generating = stats.decode_s + stats.prefill_s - writing[0] if stats else 0.0

@@ -21,9 +21,9 @@ import torch
 
 from cache import KV_DTYPES, KVCache
 from policies import POLICIES, Policy, is_int, resolve_policy
-from cli import (Parser, Screen, add_cache_options, batch_size, check_policy_args, check_sampling_args,
-                 ignore_further_interrupts, positive_int, prompt_ids, read_prompt, run_as_command, run_command,
-                 sampling_from_flags)
+from cli import (DEFAULT_PROMPT, Parser, Screen, add_cache_options, batch_size, check_policy_args,
+                 check_sampling_args, ignore_further_interrupts, positive_int, prompt_ids, read_prompt, run_as_command,
+                 run_command, sampling_from_flags)
 import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
@@ -238,9 +238,9 @@ class Engine:
         position by position without keeping them)."""
         check_request(prompts, 1, self.model.cfg.vocab_size)
         if not isinstance(continuations, (list, tuple)) or len(continuations) != len(prompts):
-            raise ValueError(f"give one continuation per prompt: {len(prompts)} prompts, "
-                             f"{len(continuations) if isinstance(continuations, (list, tuple)) else 'no list of'} "
-                             f"continuations")
+            given = plural(len(continuations), "continuation") if isinstance(continuations, (list, tuple)) \
+                else "no list of continuations"
+            raise ValueError(f"give one continuation per prompt: {plural(len(prompts), 'prompt')}, {given}")
         check_request(continuations, 1, self.model.cfg.vocab_size, "continuation")
         # the buffer's length is part of the compiled step's shapes: a power of two (>= RING) lets continuations
         # of many lengths share one compiled step (the index into it is clamped, the padding never fed)
@@ -261,6 +261,7 @@ class Engine:
             raise ValueError(f"policy {policy.name!r} and budget {budget} do not go together: an "
                              f"evicting policy needs a budget, the full policy takes none")
         prompts, limits = requests.prompts, requests.limits
+        self.check_budget(budget)
         self.check_context(prompts, limits)
         longest = max(map(len, prompts))
         if budget is None:  # no compression: room for every token
@@ -292,12 +293,22 @@ class Engine:
                      self.model.tp.size * KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"],
                                                                self.kv_dtype), longest, self.compile)
 
+    def check_budget(self, budget: int | None):
+        """Refuse a budget of more slots than a sequence can fill within the model's trained context, unless
+        longer sequences are allowed: the slots past it would be allocated and never used."""
+        limit = self.model.cfg.max_position_embeddings
+        if budget is not None and limit and not self.allow_long_context and budget > limit:
+            raise ValueError(f"budget {budget} is more KV slots than a sequence can fill: the model's context "
+                             f"(max_position_embeddings) is {limit} tokens; give a budget of at most {limit} "
+                             f"(--budget, LLM(budget=)), or allow longer sequences (--allow-long-context, "
+                             f"LLM(allow_long_context=True))")
+
     def check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""
         limit = self.model.cfg.max_position_embeddings
         i = max(range(len(prompts)), key=lambda i: len(prompts[i]) + limits[i])
         if limit and not self.allow_long_context and len(prompts[i]) + limits[i] > limit:
-            raise ValueError(f"prompt ({len(prompts[i])} tokens) + new tokens ({limits[i]}) = "
+            raise ValueError(f"prompt ({plural(len(prompts[i]), 'token')}) + new tokens ({limits[i]}) = "
                              f"{len(prompts[i]) + limits[i]} positions, past the model's max_position_embeddings "
                              f"{limit} (RoPE beyond its trained context gives garbage); shorten them, or allow it "
                              f"explicitly (--allow-long-context, LLM(allow_long_context=True))")
@@ -577,21 +588,26 @@ def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"
     if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     distinct = dict(zip(map(id, prompts), prompts)).values()  # a prompt given many times is checked once
-    if not all(is_int(t) and 0 <= t < vocab_size for p in distinct for t in p):
-        raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model")
+    for p in distinct:
+        bad = [t for t in p if not (is_int(t) and 0 <= t < vocab_size)][:1]
+        if bad:
+            raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model; {what} "
+                             f"{prompts.index(p)} holds {bad[0]!r} (ids from another model's tokenizer? encode text "
+                             f"with this one's)")
 
 
 # ---- the command line ---------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = Parser(prog="generate.py", description="Generate text with LongFlow KV-cache compression.")
     p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face id or local folder")
-    src = p.add_mutually_exclusive_group(required=True)  # no built-in question answered unasked
-    src.add_argument("--prompt", help="the prompt text")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=f"the prompt text (default: {DEFAULT_PROMPT!r}, said on stderr)")
     src.add_argument("--prompt-file", help="a file whose whole content is the prompt ('-': standard input)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when it has one)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
-                   help="let Qwen3 think before answering (its chat template's enable_thinking)")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the model think before answering, or not (its chat template's enable_thinking, as "
+                        "Qwen3's has; default: the template's own, thinking for Qwen3)")
     add_cache_options(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens generated at most")
     p.add_argument("--allow-long-context", action="store_true",
@@ -625,6 +641,7 @@ def run(args):
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
                     kv_dtype=KV_DTYPES[args.kv_dtype])
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
+    engine.check_budget(args.budget)
     # refused by size now, before the prompt is copied `batch` times and each copy checked
     pick_batch(engine, batch, batch, args.budget or len(ids) + args.max_new_tokens, len(ids))
     screen = Screen(tok, batch)

@@ -7,7 +7,7 @@ import torch
 
 import kernel
 from cache import KVCache
-from model import MLP_TOKENS
+from model import MLP_TOKENS, plural
 
 PREFILL_TOKENS = 16384  # prompts are prefilled in groups of about this many (padded) tokens
 SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fragmentation
@@ -71,9 +71,8 @@ def pick_batch(engine, asked: int | None, n_prompts: int, slots: int, longest: i
         need = KVCache.bytes_needed(cfg, batch, slots, dtype, kv_dtype=kv_dtype)
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > ram:
-            raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.1f} GiB, more than "
-                             f"this machine's {ram / 2**30:.1f} GiB; lower the batch size ({batch}), "
-                             f"--max-new-tokens or --budget")
+            raise ValueError(f"{rows_need(batch, slots)} {need / 2**30:.1f} GiB, more than this machine's "
+                             f"{ram / 2**30:.1f} GiB; lower the batch size ({batch}), --max-new-tokens or --budget")
         return batch
     free = free_bytes(engine)
     # tensor parallel: the rows every rank can hold (cfg is this rank's part of the model)
@@ -83,7 +82,11 @@ def pick_batch(engine, asked: int | None, n_prompts: int, slots: int, longest: i
     if batch > fits:
         need = (batch * bytes_per_row(cfg, slots, dtype, extra, kv_dtype) + SPARE
                 + prefill_bytes(cfg, max(PREFILL_TOKENS, longest), dtype))
-        raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.2f} GiB of GPU "
-                         f"memory but {free / 2**30:.2f} GiB is free ({fits} would fit); lower the "
-                         f"batch size, --max-new-tokens or --budget")
+        raise ValueError(f"{rows_need(batch, slots)} {need / 2**30:.2f} GiB of GPU memory but {free / 2**30:.2f} "
+                         f"GiB is free ({fits} would fit); lower the batch size, --max-new-tokens or --budget")
     return batch
+
+
+def rows_need(batch: int, slots: int) -> str:
+    """"3 sequences of 64 KV slots need", "1 sequence of 1 KV slot needs": how a refusal of their memory begins."""
+    return f"{plural(batch, 'sequence')} of {plural(slots, 'KV slot')} need" + ("s" if batch == 1 else "")

@@ -4,6 +4,7 @@ Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's ten
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import fp8
 from cache import KVCache, Layer
 from policies import is_int
 from sampling import on_device
-from parallel import SINGLE, Group
+from parallel import SINGLE, Group, rank
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -346,14 +347,30 @@ HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "chat_template.jinja", "model*.safetensors", "model.safetensors.index.json"]
 
 
+# the Hub's owners of the supported families, by how their bare names begin (Qwen3-8B is Qwen/Qwen3-8B)
+HUB_OWNERS = {"Qwen3-": "Qwen", "Qwen2.5-": "Qwen", "QwQ-32B": "Qwen", "DeepSeek-R1-Distill-": "deepseek-ai",
+              "Llama-3.1-": "meta-llama"}
+
+
+def hub_id(name: str) -> str | None:
+    """A bare name of a supported family as its Hub id (Qwen3-8B: Qwen/Qwen3-8B), else None."""
+    owner = next((owner for start, owner in HUB_OWNERS.items() if name.startswith(start)), None)
+    return f"{owner}/{name}" if owner and "/" not in name else None
+
+
 def resolve(name: str) -> str:
-    """A local folder as is; anything else is a Hub id, fetched (or found in the local cache)."""
+    """A local folder as is; a bare name of a supported family (Qwen3-8B) as its Hub id, said on stderr; anything
+    else is a Hub id, fetched (or found in the local cache)."""
     name = os.path.expanduser(name)  # `--model=~/dir`: the shell leaves that tilde alone
     if os.path.isdir(name):
         return name
     if os.path.exists(name):
         raise ValueError(f"{name} is a file, not a model folder: give the folder that holds config.json, "
                          f"*.safetensors and tokenizer.json")
+    if hub_id(name):
+        if rank() == 0:
+            print(f"model {name!r}: no such folder here, so the Hugging Face Hub's {hub_id(name)}", file=sys.stderr)
+        name = hub_id(name)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise FileNotFoundError(f"model path {name!r} does not exist (give a local folder or a Hub id "
                                 f"like Qwen/Qwen3-8B)")
@@ -561,6 +578,11 @@ class Tokenizer:
             self.defaults = {"temperature": 0.0}
         if "repetition_penalty" in gen:  # applies to greedy decoding too
             self.defaults["repetition_penalty"] = gen["repetition_penalty"]
+
+    @property
+    def has_thinking_switch(self) -> bool:
+        """Whether the chat template reads enable_thinking (Qwen3's does): else a thinking switch changes nothing."""
+        return self.template is not None and "enable_thinking" in self.template
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """special: add what the tokenizer adds to the start of a text (BOS for Llama 3); not for a text

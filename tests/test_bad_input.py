@@ -2,6 +2,7 @@
 line (130 for Ctrl-C), a clear exception from the API, and never a silent no-op or a wrong number."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -231,7 +232,8 @@ def test_help_shows_the_defaults(capsys, monkeypatch):
     import bench
     import eval as ev
     monkeypatch.setattr(sys, "argv", ["bench.py", "--help"])  # bench.main reads its options from sys.argv
-    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: Qwen/Qwen3-0.6B)", "(default: 512)"]),
+    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: Qwen/Qwen3-0.6B)", "(default: 512)",
+                                                                 generate.DEFAULT_PROMPT]),
                            (lambda: ev.main(["--help"]), ["default: Qwen/Qwen3-8B", "default: 0"]),
                            (bench.main, ["default: Qwen3-8B", "default: 16384"])):
         with pytest.raises(SystemExit) as stop:
@@ -339,7 +341,7 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
     with pytest.raises(ValueError, match="token ids must be integers"):
         llm.generate([np.array([1.5, 2.0])])
     with pytest.raises(ValueError, match="seeds must fit in 64 bits"):
-        llm.generate(["Hi"], seed=2**63)
+        llm.generate(["Hi"], seed=2**63, temperature=1.0)
     with pytest.raises(ValueError, match="no prompts given"):
         llm.generate([])
     # numpy integers are integers everywhere, and a message's content is the template's to read
@@ -459,3 +461,90 @@ def test_under_torchrun_an_argparse_error_is_printed_by_rank_0_alone(checkpoints
     code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--max-new-tokens", "0")
     says = "error: argument --max-new-tokens: expected a positive integer" if printed else ""
     assert code == 2 and err.startswith(says) and err.count("\n") == printed, err
+
+
+# ---- settings that would be ignored, through the API as on the command line --------------------------------
+def test_api_refuses_top_p_top_k_and_seed_when_greedy_as_the_command_line_does(checkpoints):
+    """The README's promise, a setting that would be ignored is refused, holds for LLM.generate too; top_p 1 and
+    top_k 0 ask for nothing, so nothing is ignored."""
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    for given, named in ((dict(top_p=0.5), "top_p only applies"), (dict(top_k=5, seed=3), "top_k and seed only apply"),
+                         (dict(temperature=0.0, seed=0), "seed only applies")):
+        with pytest.raises(ValueError, match=re.escape(f"{named} when sampling, and this decodes greedily "
+                                                       f"(temperature 0): give temperature= above 0 or drop")):
+            llm.generate(["Hi"], max_new_tokens=2, **given)
+    assert len(llm.generate(["Hi"], max_new_tokens=2, top_p=1.0, top_k=0, ignore_eos=True)[0].token_ids) == 2
+
+
+def no_thinking_switch(checkpoints, tmp_path):
+    """A copy of the tiny Qwen3 whose chat template never reads enable_thinking (as Qwen2.5's)."""
+    folder = copy_of(checkpoints, tmp_path, "qwen3")
+    edit_json(folder, "tokenizer_config.json", lambda c: {**c, "chat_template": c["chat_template"].split(
+        "{% if enable_thinking")[0] + "{% endif %}"})
+    return folder
+
+
+@pytest.mark.parametrize("flag", ["--thinking", "--no-thinking"])
+def test_a_thinking_switch_the_chat_template_never_reads_is_refused(checkpoints, tmp_path, capsys, flag):
+    folder = no_thinking_switch(checkpoints, tmp_path)
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", flag)[::2],
+                   f"{flag} would be ignored: this model's chat template has no thinking switch (it never reads "
+                   f"enable_thinking); drop it")
+    llm = tinyflow.LLM(str(folder), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=re.escape("enable_thinking=False would be ignored: this model's chat "
+                                                   "template has no thinking switch")):
+        llm.chat([{"role": "user", "content": "Hi"}], enable_thinking=False, max_new_tokens=2)
+    assert len(llm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2
+
+
+def test_a_thinking_switch_with_a_plain_text_prompt_is_refused(checkpoints, capsys):
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--no-compile", "--no-chat",
+                        "--no-thinking")[::2],
+                   "--no-thinking only applies to a prompt in the model's chat template: drop --no-chat or drop it")
+
+
+def test_a_budget_past_the_models_context_is_refused_unless_long_context_is_allowed(checkpoints, capsys):
+    """The tiny models' max_position_embeddings is 512: slots past it could never be filled."""
+    says = ("budget 600 is more KV slots than a sequence can fill: the model's context (max_position_embeddings) is "
+            "512 tokens; give a budget of at most 512")
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 600,
+                        "--max-new-tokens", 2)[::2], says)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        tinyflow.LLM(str(checkpoints["qwen2"]), budget=600, device="cpu", compile=False)
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), budget=512, device="cpu", compile=False)
+    llm.set_policy(600)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        llm.generate(["Hi"], max_new_tokens=2)
+    long = tinyflow.LLM(str(checkpoints["qwen2"]), budget=600, device="cpu", compile=False, allow_long_context=True)
+    assert len(long.generate(["Hi"], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2
+
+
+# ---- messages: counts in words, and what to do -----------------------------------------------------------
+def test_an_id_outside_the_vocabulary_names_its_prompt_and_the_id(checkpoints):
+    """The README's example once held Qwen's ids, which fail on a smaller vocabulary: the message says which
+    prompt and which id, and where right ids come from."""
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=re.escape("prompt token ids must be integers in [0, 320) for this model; "
+                                                   "prompt 1 holds 151644 (ids from another model's tokenizer? "
+                                                   "encode text with this one's)")):
+        llm.generate(["Hi", [151644, 872], [5]], max_new_tokens=2)
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "151644" not in readme and 'llm.generate(["What is 17 * 23?", llm.tokenizer.encode(' in readme
+
+
+def test_n_other_than_1_says_how_to_get_several_samples(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=re.escape("n=3: generate returns one output per prompt; for 3 samples of a "
+                                                   "prompt, give it 3 times in prompts with a temperature above 0")):
+        llm.generate(["Hi"], n=3)
+
+
+def test_counts_in_messages_are_singular_for_one(checkpoints):
+    model, _ = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    engine = Engine(model, compile=False)
+    with pytest.raises(ValueError, match=re.escape("prompt (1 token) + new tokens (600) = 601 positions")):
+        engine.generate([[5]], 600, [])
+    with pytest.raises(ValueError, match=re.escape("give one continuation per prompt: 1 prompt, 2 continuations")):
+        engine.score([[5]], [[6], [7]])
+    assert memory.rows_need(1, 1) == "1 sequence of 1 KV slot needs"
+    assert memory.rows_need(3, 64) == "3 sequences of 64 KV slots need"

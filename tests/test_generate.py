@@ -408,12 +408,13 @@ def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, mes
     assert code == 2 and message in err and err.startswith("error:") and err.count("\n") == 1, err
 
 
-def test_without_a_prompt_the_command_line_asks_for_one(checkpoints, capsys, monkeypatch):
-    """No built-in question answered unasked (a minute and more on a CPU): refused before the model loads."""
-    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model loaded"))
-    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--no-compile")
-    assert (code, out) == (2, "") and err == ("error: one of the arguments --prompt --prompt-file is required "
-                                              "(see --help)\n"), err
+def test_without_a_prompt_the_command_line_says_which_it_asks(checkpoints, capsys):
+    """`generate.py --model M` (the design's first command) answers a built-in question: its first line on
+    stderr says which, and how to ask another, so nobody waits for the answer to a question they never asked."""
+    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--no-compile", "--max-new-tokens", 2)
+    assert code == 0 and out, err
+    assert err.splitlines()[0] == ("no --prompt given, so asking 'Briefly, why is the sky blue?' (give --prompt TEXT "
+                                   "or --prompt-file FILE)"), err
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_its_prompts_are_checked(checkpoints, capsys, monkeypatch):
@@ -633,3 +634,58 @@ def test_chat_without_thinking_renders_exactly_the_templates_empty_think_block(c
     on = llm.chat(hi, max_new_tokens=6, ignore_eos=True)
     assert llm.stats.prompt_tokens == len(plain)
     assert on == llm.generate([plain], max_new_tokens=6, ignore_eos=True) != off
+
+
+def test_the_first_token_is_drawn_with_the_noise_of_its_own_position(checkpoints, monkeypatch):
+    """The first token, sampled from the prefill's last logits, draws the noise of its own position, len(prompt)
+    (sampling.uniform_noise hashes seed, position and token id), not that of the prompt's last token: for each
+    seed it is sample() of exactly those logits at len(prompt), and for some seed the position before would have
+    drawn another token. A temperature of 5 makes the distribution flat enough for the noise to decide."""
+    from sampling import Sampler
+    model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    engine, prompt = Engine(model, compile=False), tok.encode("The quick brown fox")
+    firsts, pick = [], Sampler.pick
+
+    def keep_first_logits(self, logits, seeds, positions, rows=None, hot=True):
+        if rows is not None:  # the prefill's pick (the decode step's takes every row)
+            firsts.append(logits.clone())
+        return pick(self, logits, seeds, positions, rows, hot)
+    monkeypatch.setattr(Sampler, "pick", keep_first_logits)
+    before = []
+    for seed in range(8):
+        first = engine.generate([prompt], 1, [], sampling=Sampling(temperature=5.0), seed=seed)[0][0][0]
+        at = lambda position: draw_rows(firsts[-1], seed, torch.tensor([position]), 5.0, 0).item()
+        assert first == at(len(prompt)), seed
+        before.append(at(len(prompt) - 1) != first)
+    assert any(before)  # the noise of the position before draws other tokens: the check above can tell
+
+
+def test_the_memory_planner_counts_an_fp8_caches_keys_dequantized(checkpoints):
+    """With an FP8 cache a row also costs one layer's keys in the model's dtype (the rules that read keys
+    dequantize them each step): slots x KV heads x head_dim x 2 bytes in bf16, beyond the FP8 cache and the
+    step's 48 bytes per vocabulary id."""
+    import kernel
+    from cache import KVCache
+    cfg, bf16 = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
+    fp8_cache = KVCache.bytes_needed(cfg, 1, 3200, bf16, kv_dtype=kernel.FP8)
+    assert memory.bytes_per_row(cfg, 3200, bf16, kv_dtype=kernel.FP8) == fp8_cache + 3200 * 2 * 32 * 2 + 48 * 320
+    assert memory.bytes_per_row(cfg, 3200, bf16) == KVCache.bytes_needed(cfg, 1, 3200, bf16) + 48 * 320
+
+
+def test_a_bare_name_of_a_supported_family_is_its_hub_id_and_a_local_folder_wins(checkpoints, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """`--model Qwen3-8B` (the design's command, without the owner): Qwen/Qwen3-8B, said on stderr; a folder of
+    that name where the command runs is taken instead. No network: the download is replaced."""
+    from model import hub_id, resolve
+    assert [hub_id(n) for n in ("Qwen3-8B", "Qwen2.5-7B-Instruct", "QwQ-32B", "DeepSeek-R1-Distill-Qwen-7B",
+                                "Llama-3.1-8B-Instruct")] == [
+        "Qwen/Qwen3-8B", "Qwen/Qwen2.5-7B-Instruct", "Qwen/QwQ-32B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+        "meta-llama/Llama-3.1-8B-Instruct"]
+    assert [hub_id(n) for n in ("Qwen/Qwen3-8B", "Mistral-7B", "qwen3-8b", "my-model")] == [None] * 4
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: f"/hub/{name}")
+    assert resolve("Qwen3-8B") == "/hub/Qwen/Qwen3-8B"
+    assert capsys.readouterr().err == "model 'Qwen3-8B': no such folder here, so the Hugging Face Hub's Qwen/Qwen3-8B\n"
+    shutil.copytree(checkpoints["qwen2"], tmp_path / "Qwen3-8B")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("Qwen3-8B") == "Qwen3-8B" and capsys.readouterr().err == ""
