@@ -621,10 +621,14 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=batch_size, default=1,
                    help="sequences generated together, or 'max': as many as fit in GPU memory")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    p.add_argument("-n", "--n", type=int, default=None, help=argparse.SUPPRESS)  # vLLM's: refused, with what does it
     return p.parse_args(argv)
 
 
 def run(args):
+    if args.n is not None:
+        raise ValueError(f"-n {args.n}: generate.py answers each copy of the prompt once; for {args.n} samples of it, "
+                         f"give --batch-size {args.n} --temperature T (> 0)")
     check_policy_args(args)
     rule = args.prompt_compression or "snapkv"
     policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, rule)

@@ -199,6 +199,9 @@ def test_a_tokenizer_eos_id_or_weight_the_model_cannot_use_is_refused_at_load(ch
     (["--policy", "full", "--budget", "64"], "--policy full keeps every token: drop --budget"),
     (["--policy", "full", "--sinks", "2"], "--policy full keeps every token: drop --sinks"),
     (["--seed", "99999999999999999999999", "--temperature", "1"], "seeds must fit in 64 bits"),
+    (["-n", "2"], "-n 2: generate.py answers each copy of the prompt once; for 2 samples of it, give --batch-size 2 "
+                  "--temperature T (> 0)"),
+    (["--n", "3"], "for 3 samples of it, give --batch-size 3"),
     (["--top-p", "0.5"], "--top-p only applies when sampling, and this decodes greedily (temperature 0, the model"),
     (["--seed", "3", "--top-k", "5", "--temperature", "0"], "--top-k and --seed only apply when sampling"),
     (["--repetition-penalty", "1e-300"], "--repetition-penalty must be a number from 1e-30 to 1e30 (1: none), got 1e-300"),
@@ -404,15 +407,16 @@ def test_api_policy_and_budget_must_go_together(checkpoints):
 
 def test_context_past_max_position_embeddings_only_when_allowed(checkpoints, tmp_path):
     """A copy of the tiny Qwen3 trained (says its config) for 32 positions: a prompt of 20 and 12 new tokens
-    fill them exactly and run; one more token is refused, unless allowed."""
+    fill them exactly and run; one more token is refused, unless allowed (and so is a budget, of at least 33 slots,
+    past those 32: test_a_budget_past_the_models_context_is_refused_unless_long_context_is_allowed)."""
     folder = copy_of(checkpoints, tmp_path, "qwen3")
     edit_json(folder, "config.json", update(max_position_embeddings=32))
     model, _ = load(str(folder), torch.device("cpu"), torch.float32)
-    outs, _ = Engine(model, compile=False).generate([[1] * 20], 12, [], 40)
+    outs, _ = Engine(model, compile=False).generate([[1] * 20], 12, [])
     assert len(outs[0]) == 12
     with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ new tokens \(13\) = 33 positions, past the "
                                          r"model's max_position_embeddings 32"):
-        Engine(model, compile=False).generate([[1] * 20], 13, [], 40)
+        Engine(model, compile=False).generate([[1] * 20], 13, [])
     outs, _ = Engine(model, compile=False, allow_long_context=True).generate([[1] * 20], 50, [], 40)
     assert len(outs[0]) == 50
     assert len(Engine(model, compile=False).score([[1] * 20], [[2] * 12])[0][0]) == 12  # teacher forcing: the same
