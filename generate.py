@@ -299,9 +299,8 @@ class Engine:
         limit = self.model.cfg.max_position_embeddings
         if budget is not None and limit and not self.allow_long_context and budget > limit:
             raise ValueError(f"budget {budget} is more KV slots than a sequence can fill: the model's context "
-                             f"(max_position_embeddings) is {limit} tokens; give a budget of at most {limit} "
-                             f"(--budget, LLM(budget=)), or allow longer sequences (--allow-long-context, "
-                             f"LLM(allow_long_context=True))")
+                             f"(max_position_embeddings) is {limit} tokens; give a budget of at most {limit}, or "
+                             f"allow longer sequences (--allow-long-context, LLM(allow_long_context=True))")
 
     def check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""
