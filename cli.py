@@ -1,7 +1,7 @@
 """The command line that generate.py, server.py, bench.py and eval.py share: argparse with one-line errors
 and the defaults in --help, the model and cache options, the refusal of options that would be ignored,
-reading a prompt, and how a command ends (bad input: one line and exit status 2, as argparse's own errors;
-Ctrl-C: 130; a reader gone: 1)."""
+reading a prompt, the sampling flags, what generate.py prints, and how a command ends (bad input: one line and
+exit status 2, as argparse's own errors; Ctrl-C: 130; a reader gone: 1)."""
 import argparse
 import os
 import signal
@@ -11,6 +11,7 @@ import parallel
 from cache import KV_DTYPES
 from policies import POLICIES, PROMPT_RULES
 from model import DTYPES, WEIGHTS
+from sampling import BadSetting, Sampling
 
 
 # ---- parsing -------------------------------------------------------------------------------------------
@@ -119,17 +120,41 @@ def check_policy_args(args):
 def check_sampling_args(args, sampling):
     """--top-k, --top-p and --seed are refused when decoding is greedy (given or the model's default).
     sampling: the sampling.Sampling the run decodes with."""
-    given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
-             if value is not None]
-    if given and sampling.temperature == 0:
-        default = "" if args.temperature is not None else ", the model default"
-        raise ignored(given, f"when sampling, and this decodes greedily (temperature 0{default})",
-                      "add --temperature T (> 0)")
+    given = {f"--{name.replace('_', '-')}": getattr(args, name) for name in ("top_k", "top_p", "seed")}
+    refuse_when_greedy(given, sampling, args.temperature is not None, "add --temperature T (> 0)")
+
+
+def refuse_when_greedy(given: dict, sampling, temperature_given: bool, fix: str):
+    """Settings only sampling reads (top-k, top-p, the seed) refused when decoding is greedy, as the command line
+    and the API (tinyflow.LLM.generate) name them. given: name -> value (None: not given); sampling: the
+    sampling.Sampling the run decodes with; temperature_given: False when its 0 is the model's default."""
+    named = [name for name, value in given.items() if value is not None]
+    if named and sampling.temperature == 0:
+        default = "" if temperature_given else ", the model default"
+        raise ignored(named, f"when sampling, and this decodes greedily (temperature 0{default})", fix)
+
+
+def refuse_thinking(tok, name: str, chat: bool = True):
+    """A thinking switch (--thinking, --no-thinking, LLM.chat's enable_thinking) that the prompt would never
+    reach is refused: a plain-text prompt, or a chat template that does not read enable_thinking. name: the
+    switch as the caller gave it."""
+    if not chat:
+        raise ignored([name], "to a prompt in the model's chat template", "drop --no-chat")
+    if not tok.has_thinking_switch:
+        raise ValueError(f"{name} would be ignored: this model's chat template has no thinking switch (it never "
+                         f"reads enable_thinking); drop it")
 
 
 # ---- input and output ----------------------------------------------------------------------------------
+DEFAULT_PROMPT = "Briefly, why is the sky blue?"  # what `generate.py --model M --budget B` asks
+
+
 def read_prompt(args) -> str:
-    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text."""
+    """--prompt, or the whole content of --prompt-file ('-': standard input), which must be UTF-8 text; neither
+    given, DEFAULT_PROMPT, said on stderr (an answer to a question not asked would otherwise puzzle)."""
+    if args.prompt_file is None and args.prompt is None:
+        say(f"no --prompt given, so asking {DEFAULT_PROMPT!r} (give --prompt TEXT or --prompt-file FILE)")
+        return DEFAULT_PROMPT
     if args.prompt_file is None:
         return args.prompt
     name = "standard input" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
@@ -160,6 +185,54 @@ def reader_gone():
     """`generate.py ... | head -1`: the reader has gone, so has the output; end quietly (exit status 1)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would fail
     sys.exit(1)
+
+
+def sampling_from_flags(given: dict, defaults: dict) -> Sampling:
+    """--temperature, --top-k, --top-p, --repetition-penalty as given (a setting absent or None: not given), and
+    the model's defaults for those not given; a refusal names the flag (eval.py's too)."""
+    given = {name: given.get(name) for name in ("temperature", "top_k", "top_p", "repetition_penalty")}
+    try:
+        return Sampling.with_defaults(defaults, **given)
+    except BadSetting as e:
+        flag = "--" + e.setting.replace("_", "-")
+        if given[e.setting] is None:
+            raise ValueError(e.as_default(f"give {flag} to override it")) from None
+        raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None
+
+
+def prompt_ids(tok, text: str, args) -> list[int]:
+    """The prompt through the model's chat template (--chat; by default when it has one), or as plain text."""
+    if args.chat and tok.template is None:
+        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
+    chat = tok.template is not None if args.chat is None else args.chat
+    if args.thinking is not None:
+        refuse_thinking(tok, "--thinking" if args.thinking else "--no-thinking", chat)
+    return tok.chat([{"role": "user", "content": text}], args.thinking is not False) if chat else tok.encode(text)
+
+
+class Screen:
+    """What generate.py prints: on standard output the answer alone (a single sequence streamed as it is
+    generated, several each whole at the end), so that `generate.py ... > answer.txt` holds it; the run's
+    statistics on standard error."""
+
+    def __init__(self, tok, batch: int):
+        self.tok, self.batch, self.printed = tok, batch, ""
+
+    def stream(self, new_ids, last=False):  # print the text decoded so far, past what is already on screen
+        out = self.tok.decode(new_ids)
+        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
+            return
+        print(out[len(self.printed):], end="", flush=True)
+        self.printed = out
+
+    def show(self, outs, stats):  # the text (a single sequence has streamed already), then the statistics
+        if self.batch == 1:
+            self.stream(outs[0], last=True)  # whatever a cut-off character held back
+            print(flush=True)  # the answer's last line ends
+        else:
+            for i, o in enumerate(outs):
+                print(f"--- sequence {i} ---\n{self.tok.decode(o)}", flush=True)
+        say(stats.line() if parallel.rank() == 0 else None)  # (the other ranks' standard output is closed)
 
 
 # ---- how a command ends ----------------------------------------------------------------------------------
@@ -198,9 +271,9 @@ AS_COMMAND = False  # in a command's own process (run_as_command), not in a Pyth
 
 def run_as_command(main):
     """Each command's `if __name__ == "__main__":`: main() in a process of its own. Under torchrun the process
-    then ends at once, its output flushed (os._exit): ranks that had finished and left the process group were
-    seen to abort in the interpreter's own shutdown ("terminate called without an active exception", SIGABRT;
-    in 3 of 12 runs of the test suite, which starts a dozen torchruns), as PyTorch's gloo threads are known to
+    then ends at once, its output flushed (os._exit): ranks that had finished and left the process group can
+    abort in the interpreter's own shutdown ("terminate called without an active exception", SIGABRT; docs/
+    performance.md, "Measurements that code comments used to hold"), as PyTorch's gloo threads are known to
     when their last objects go during finalization (pytorch/pytorch#179291)."""
     global AS_COMMAND
     AS_COMMAND = True

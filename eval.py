@@ -503,7 +503,8 @@ def evaluate(llm, items: list[dict], path: Path, protocol: Protocol, sampling: d
                 bar.update(1, len(out.token_ids))
                 writing[0] += time.perf_counter() - start
 
-            llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens, seed=seeds,
+            llm.generate([ids for _, ids, _ in asked], max_new_tokens=protocol.max_new_tokens,
+                         seed=seeds if sampling["temperature"] > 0 else None,  # greedy: no seed to give
                          batch_size=batch_size, on_output=write, **sampling)
         stats = llm.stats
     generating = stats.decode_s + stats.prefill_s - writing[0] if stats else 0.0
@@ -1167,7 +1168,7 @@ def parse_args(argv):
 
 def check_args(args):
     """Refuse, before anything loads, what cannot work (argparse checked each number alone)."""
-    from generate import sampling_from_flags
+    from cli import sampling_from_flags
     check_out(Path(args.out))
     sampling_from_flags(chosen_protocol(args).sampling, {})  # those from the model are checked once it loads
     check_seed(args.seed)
@@ -1274,7 +1275,7 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
     """Load the model once, check every run's settings against its files, then evaluate each run in turn;
     its summary is written as it ends."""
     import tinyflow
-    from generate import sampling_from_flags
+    from cli import sampling_from_flags
     policy, budget, _ = runs[0]
     import parallel
     llm = tinyflow.LLM(args.model, budget, policy, device=args.device, compile=not args.no_compile,

@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,14 +21,15 @@ import torch
 
 from cache import KV_DTYPES, KVCache
 from policies import POLICIES, Policy, is_int, resolve_policy
-from cli import (Parser, add_cache_options, batch_size, check_policy_args, check_sampling_args,
-                 ignore_further_interrupts, positive_int, read_prompt, run_as_command, run_command)
+from cli import (DEFAULT_PROMPT, Parser, Screen, add_cache_options, batch_size, check_policy_args,
+                 check_sampling_args, ignore_further_interrupts, positive_int, prompt_ids, read_prompt, run_as_command,
+                 run_command, sampling_from_flags)
 import kernel
 import parallel
 from memory import PREFILL_TOKENS, allocated, batch_that_fits, free_bytes, pick_batch
-from model import DTYPES, MLP_TOKENS, Block, Transformer, load
-from sampling import BadSetting, Sampler, Sampling, on_device, seeds_for, settings_for
-from step import RING, Forcing, PrefillGraphs, State, Stepper, compiled_prefill
+from model import MLP_TOKENS, Block, Transformer, load, pick_device, plural
+from sampling import Sampler, Sampling, on_device, seeds_for, settings_for
+from step import RING, DeviceTimer, Forcing, PrefillGraphs, State, Stepper, compiled_prefill, sync_time
 
 # ---- the generation loop ------------------------------------------------------------------------------
 @dataclass
@@ -48,10 +48,14 @@ class Stats:
     #                     the longest sequence
     longest: int = 0  # the longest sequence, prompt and output
     compiled: bool = True  # whether setup_s compiled the step
+    prefilling: int = 0  # interrupted: the prompt tokens whose prefill Ctrl-C cut short
 
     def line(self) -> str:
         rate = self.generated_tokens / max(self.prefill_s + self.decode_s, 1e-9)
         setup = "compile" if self.compiled else "setup"
+        if self.prefilling and not self.generated_tokens:  # Ctrl-C before the first token: say what it cut
+            return (f"interrupted during prefill of {plural(self.prefilling, 'prompt token')}, nothing generated "
+                    f"({self.prefill_s + self.decode_s:.2f} s; {setup} {self.setup_s:.1f} s); {self.kv_line()}")
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok in "
                 f"{self.prefill_s + self.decode_s:.2f} s ({rate:.1f} tok/s, batch {self.batch}; prefill "
                 f"{self.prefill_s:.2f} s, {setup} {self.setup_s:.1f} s); {self.kv_line()}")
@@ -80,6 +84,7 @@ class Progress:
     """A run's outputs so far (per prompt) and its prefill time: what Interrupted reports."""
     outs: list | dict  # per prompt (a server's: by request number, while it runs)
     prefill_s: float = 0.0
+    prefilling: int = 0  # the prompt tokens being prefilled, until their first tokens are read
 
 
 @dataclass
@@ -233,9 +238,9 @@ class Engine:
         position by position without keeping them)."""
         check_request(prompts, 1, self.model.cfg.vocab_size)
         if not isinstance(continuations, (list, tuple)) or len(continuations) != len(prompts):
-            raise ValueError(f"give one continuation per prompt: {len(prompts)} prompts, "
-                             f"{len(continuations) if isinstance(continuations, (list, tuple)) else 'no list of'} "
-                             f"continuations")
+            given = plural(len(continuations), "continuation") if isinstance(continuations, (list, tuple)) \
+                else "no list of continuations"
+            raise ValueError(f"give one continuation per prompt: {plural(len(prompts), 'prompt')}, {given}")
         check_request(continuations, 1, self.model.cfg.vocab_size, "continuation")
         # the buffer's length is part of the compiled step's shapes: a power of two (>= RING) lets continuations
         # of many lengths share one compiled step (the index into it is clamped, the padding never fed)
@@ -256,6 +261,7 @@ class Engine:
             raise ValueError(f"policy {policy.name!r} and budget {budget} do not go together: an "
                              f"evicting policy needs a budget, the full policy takes none")
         prompts, limits = requests.prompts, requests.limits
+        self.check_budget(budget)
         self.check_context(prompts, limits)
         longest = max(map(len, prompts))
         if budget is None:  # no compression: room for every token
@@ -270,7 +276,9 @@ class Engine:
         try:
             yield from self._run(run, requests, on_tokens)
         except KeyboardInterrupt:
-            raise Interrupted(run.outs, stats()) from None
+            cut = stats()
+            cut.prefilling = run.prefilling
+            raise Interrupted(run.outs, cut) from None
         return run.outs, stats()
 
     def _stats(self, prompts, run: Progress, batch, setup_s, seconds, slots, policy) -> Stats:
@@ -285,12 +293,21 @@ class Engine:
                      self.model.tp.size * KVCache.bytes_needed(cfg, batch, longest, self.dtype, POLICIES["full"],
                                                                self.kv_dtype), longest, self.compile)
 
+    def check_budget(self, budget: int | None):
+        """Refuse a budget of more slots than a sequence can fill within the model's trained context, unless
+        longer sequences are allowed: the slots past it would be allocated and never used."""
+        limit = self.model.cfg.max_position_embeddings
+        if budget is not None and limit and not self.allow_long_context and budget > limit:
+            raise ValueError(f"budget {budget} is more KV slots than a sequence can fill: the model's context "
+                             f"(max_position_embeddings) is {limit} tokens; give a budget of at most {limit}, or "
+                             f"allow longer sequences (--allow-long-context, LLM(allow_long_context=True))")
+
     def check_context(self, prompts, limits):
         """Refuse sequences longer than the model's trained context, unless allowed."""
         limit = self.model.cfg.max_position_embeddings
         i = max(range(len(prompts)), key=lambda i: len(prompts[i]) + limits[i])
         if limit and not self.allow_long_context and len(prompts[i]) + limits[i] > limit:
-            raise ValueError(f"prompt ({len(prompts[i])} tokens) + new tokens ({limits[i]}) = "
+            raise ValueError(f"prompt ({plural(len(prompts[i]), 'token')}) + new tokens ({limits[i]}) = "
                              f"{len(prompts[i]) + limits[i]} positions, past the model's max_position_embeddings "
                              f"{limit} (RoPE beyond its trained context gives garbage); shorten them, or allow it "
                              f"explicitly (--allow-long-context, LLM(allow_long_context=True))")
@@ -343,7 +360,7 @@ class Engine:
         while True:
             if fed and not self._take_arrivals(requests, serving):
                 return  # the server stops
-            admitted = self._fill_free_rows(requests, serving)  # rows free before the block, behind it on the GPU
+            admitted = self._fill_free_rows(requests, serving, run)  # rows free before the block, behind it on the GPU
             if launched:
                 cols = torch.arange(steps_read, steps_read + self.sync_every) % RING
                 self._keep_block(requests, serving, self._read_block(cols), cols)
@@ -381,13 +398,14 @@ class Engine:
             self.cache.reset(on_device(free, self.device))
         return True
 
-    def _fill_free_rows(self, requests: Requests, serving: list) -> "Admitted":
+    def _fill_free_rows(self, requests: Requests, serving: list, run: Progress) -> "Admitted":
         """Prefill waiting requests into the free rows, with their first outputs left on the device: nothing here
         waits for the GPU, so this runs while a launched block decodes."""
         rows = [b for b in range(len(serving)) if serving[b] is None][:len(requests.waiting)]
         taken = [requests.waiting.popleft() for _ in rows]
         if not rows:
             return Admitted([], [], [], None)
+        run.prefilling = sum(len(requests.prompts[p]) for p in taken)
         timer = DeviceTimer(self.device)
         firsts = self._admit(rows, requests, taken)
         return Admitted(rows, taken, firsts, timer.stop())
@@ -401,6 +419,7 @@ class Engine:
             if requests.settle(p):
                 serving[b] = None
         run.prefill_s += admitted.timer.seconds() if admitted.timer else 0.0
+        run.prefilling = 0
 
     def _compact(self, serving: list):
         """Move the busy rows that keep the step larger than their number needs (those at or above the smallest
@@ -531,30 +550,6 @@ class Engine:
         return first, (first, logp.gather(1, first[:, None])[:, 0], logits.argmax(-1))
 
 
-class DeviceTimer:
-    """The device's time for the work queued from its making to stop(), read after a later host sync without
-    adding one: CUDA events on a GPU; on the CPU, which runs each op as it is called, the host's clock."""
-
-    def __init__(self, device):
-        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.stream else None
-        self.times = [time.perf_counter()] * 2
-        if self.events:
-            self.events[0].record(self.stream)
-
-    def stop(self) -> "DeviceTimer":
-        if self.events:
-            self.events[1].record(self.stream)
-        self.times[1] = time.perf_counter()
-        return self
-
-    def seconds(self) -> float:
-        if not self.events:
-            return self.times[1] - self.times[0]
-        self.events[1].synchronize()  # done already after the host sync that reads the work's results
-        return self.events[0].elapsed_time(self.events[1]) / 1e3
-
-
 @dataclass
 class Admitted:
     """Requests `taken` prefilled into cache `rows`, their first outputs still on the device (per group: tokens
@@ -592,53 +587,26 @@ def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"
     if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     distinct = dict(zip(map(id, prompts), prompts)).values()  # a prompt given many times is checked once
-    if not all(is_int(t) and 0 <= t < vocab_size for p in distinct for t in p):
-        raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model")
-
-
-def sync_time(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def pick_device(device: str | None, dtype: str | torch.dtype | None):
-    """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
-        raise ValueError(f"unsupported device {str(device)!r}; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA was asked for but is not available on this machine; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    return device, dtype
+    for p in distinct:
+        bad = [t for t in p if not (is_int(t) and 0 <= t < vocab_size)][:1]
+        if bad:
+            raise ValueError(f"{what} token ids must be integers in [0, {vocab_size}) for this model; {what} "
+                             f"{prompts.index(p)} holds {bad[0]!r} (ids from another model's tokenizer? encode text "
+                             f"with this one's)")
 
 
 # ---- the command line ---------------------------------------------------------------------------------
-DEFAULT_PROMPT = "Briefly, why is the sky blue?"
-
-
 def parse_args(argv=None):
     p = Parser(prog="generate.py", description="Generate text with LongFlow KV-cache compression.")
     p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face id or local folder")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt text")
+    src.add_argument("--prompt", help=f"the prompt text (default: {DEFAULT_PROMPT!r}, said on stderr)")
     src.add_argument("--prompt-file", help="a file whose whole content is the prompt ('-': standard input)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when it has one)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
-                   help="let Qwen3 think before answering (its chat template's enable_thinking)")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the model think before answering, or not (its chat template's enable_thinking, as "
+                        "Qwen3's has; default: the template's own, thinking for Qwen3)")
     add_cache_options(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens generated at most")
     p.add_argument("--allow-long-context", action="store_true",
@@ -652,10 +620,14 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=batch_size, default=1,
                    help="sequences generated together, or 'max': as many as fit in GPU memory")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    p.add_argument("-n", "--n", type=int, default=None, help=argparse.SUPPRESS)  # vLLM's: refused, with what does it
     return p.parse_args(argv)
 
 
 def run(args):
+    if args.n is not None:
+        raise ValueError(f"-n {args.n}: generate.py answers each copy of the prompt once; for {args.n} samples of it, "
+                         f"give --batch-size {args.n} --temperature T (> 0)")
     check_policy_args(args)
     rule = args.prompt_compression or "snapkv"
     policy = resolve_policy(args.policy, args.budget, args.sinks, args.window, rule)
@@ -672,6 +644,7 @@ def run(args):
     engine = Engine(model, compile=not args.no_compile, allow_long_context=args.allow_long_context,
                     kv_dtype=KV_DTYPES[args.kv_dtype])
     batch = args.batch_size if args.batch_size != "max" else max_batch(engine, args, len(ids))
+    engine.check_budget(args.budget)
     # refused by size now, before the prompt is copied `batch` times and each copy checked
     pick_batch(engine, batch, batch, args.budget or len(ids) + args.max_new_tokens, len(ids))
     screen = Screen(tok, batch)
@@ -686,27 +659,6 @@ def run(args):
     screen.show(outs, stats)
 
 
-def sampling_from_flags(given: dict, defaults: dict) -> Sampling:
-    """--temperature, --top-k, --top-p, --repetition-penalty as given (a setting absent or None: not given), and
-    the model's defaults for those not given; a refusal names the flag (eval.py's too)."""
-    given = {name: given.get(name) for name in ("temperature", "top_k", "top_p", "repetition_penalty")}
-    try:
-        return Sampling.with_defaults(defaults, **given)
-    except BadSetting as e:
-        flag = "--" + e.setting.replace("_", "-")
-        if given[e.setting] is None:
-            raise ValueError(e.as_default(f"give {flag} to override it")) from None
-        raise ValueError(f"{flag} must be {e.allowed}, got {e.value!r}") from None
-
-
-def prompt_ids(tok, text: str, args) -> list[int]:
-    """The prompt through the model's chat template (--chat; by default when it has one), or as plain text."""
-    if args.chat and tok.template is None:
-        raise ValueError("--chat: this model has no chat template; drop --chat to give the prompt as plain text")
-    chat = tok.template is not None if args.chat is None else args.chat
-    return tok.chat([{"role": "user", "content": text}], args.thinking) if chat else tok.encode(text)
-
-
 def max_batch(engine: Engine, args, prompt_len: int) -> int:
     """--batch-size max: the most copies of the prompt whose cache fits for the whole output length."""
     if engine.device.type != "cuda":
@@ -717,29 +669,6 @@ def max_batch(engine: Engine, args, prompt_len: int) -> int:
     if fits == 0:
         raise ValueError("not even one sequence fits in free GPU memory; lower --max-new-tokens or --budget")
     return fits
-
-
-class Screen:
-    """What generate.py prints: a single sequence streamed as it is generated, several each whole at the end,
-    then the run's statistics."""
-
-    def __init__(self, tok, batch: int):
-        self.tok, self.batch, self.printed = tok, batch, ""
-
-    def stream(self, new_ids, last=False):  # print the text decoded so far, past what is already on screen
-        out = self.tok.decode(new_ids)
-        if out.endswith("\ufffd") and not last:  # half of a multi-byte character: wait for the rest
-            return
-        print(out[len(self.printed):], end="", flush=True)
-        self.printed = out
-
-    def show(self, outs, stats):  # the text (a single sequence has streamed already), then the statistics
-        if self.batch == 1:
-            self.stream(outs[0], last=True)  # whatever a cut-off character held back
-        else:
-            for i, o in enumerate(outs):
-                print(f"--- sequence {i} ---\n{self.tok.decode(o)}")
-        print("\n" + stats.line(), flush=True)
 
 
 def main(argv=None):

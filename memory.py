@@ -7,7 +7,7 @@ import torch
 
 import kernel
 from cache import KVCache
-from model import MLP_TOKENS
+from model import MLP_TOKENS, plural
 
 PREFILL_TOKENS = 16384  # prompts are prefilled in groups of about this many (padded) tokens
 SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fragmentation
@@ -15,7 +15,7 @@ SPARE = 2**30  # for the compiler's and cuBLAS's workspaces, the graph pool, fra
 
 def bytes_per_row(cfg, slots: int, dtype, extra: int = 0, kv_dtype=None) -> int:
     """GPU memory one more sequence costs: its KV slots (stored in kv_dtype, default dtype), its share of the
-    decode step's buffers and `extra` bytes. The step's share: 48 bytes per vocabulary id, as measured on an H200
+    decode step's buffers and `extra` bytes. The step's share: 48 bytes per vocabulary id, measured
     (docs/performance.md, "A server under load, and the memory planner"): the sampler's logits, probabilities,
     noise and sort buffers (fp32/int64, 40 bytes), the ids its repetition penalty has seen (1 byte), the step's
     temporaries in its graphs' pool (the rest); with FP8, also one layer's keys as values, which the rules that
@@ -43,8 +43,8 @@ def device_free_bytes(device) -> int:
     """Free GPU memory as PyTorch can use it: the device's, and what its caching allocator holds for no tensor
     (a benchmark's probe copies, the last cache's step buffers), which it gives back to a new allocation that
     needs it, but for the free pieces of blocks that still hold a tensor (it can give those back to nothing
-    larger). The device's own count left out the 8 GiB that bench.py's bandwidth probe had used
-    (docs/performance.md, "A server under load, and the memory planner")."""
+    larger); the device's own count leaves that memory out (docs/performance.md, "A server under load, and the
+    memory planner")."""
     held_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     pieces = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
     return torch.cuda.mem_get_info(device)[0] + held_free - pieces
@@ -58,8 +58,7 @@ def allocated(device) -> int:
 def free_bytes(engine) -> int:
     """Free GPU memory, counting what the engine's current shape holds (its cache, buffers and what its captured
     steps keep: engine.held_bytes, measured when they were made), which is given back, or kept for the same
-    shape, before a new cache is made. (Counting its cache alone, the same batch asked again was refused at 508
-    rows of an FP8 cache.)"""
+    shape, before a new cache is made: counting its cache alone would refuse the same batch asked again."""
     return device_free_bytes(engine.device) + (engine.held_bytes if engine.cache is not None else 0)
 
 
@@ -72,9 +71,8 @@ def pick_batch(engine, asked: int | None, n_prompts: int, slots: int, longest: i
         need = KVCache.bytes_needed(cfg, batch, slots, dtype, kv_dtype=kv_dtype)
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > ram:
-            raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.1f} GiB, more than "
-                             f"this machine's {ram / 2**30:.1f} GiB; lower the batch size ({batch}), "
-                             f"--max-new-tokens or --budget")
+            raise ValueError(f"{rows_need(batch, slots)} {need / 2**30:.1f} GiB, more than this machine's "
+                             f"{ram / 2**30:.1f} GiB; lower the batch size ({batch}), --max-new-tokens or --budget")
         return batch
     free = free_bytes(engine)
     # tensor parallel: the rows every rank can hold (cfg is this rank's part of the model)
@@ -84,7 +82,11 @@ def pick_batch(engine, asked: int | None, n_prompts: int, slots: int, longest: i
     if batch > fits:
         need = (batch * bytes_per_row(cfg, slots, dtype, extra, kv_dtype) + SPARE
                 + prefill_bytes(cfg, max(PREFILL_TOKENS, longest), dtype))
-        raise ValueError(f"{batch} sequences of {slots} KV slots need {need / 2**30:.2f} GiB of GPU "
-                         f"memory but {free / 2**30:.2f} GiB is free ({fits} would fit); lower the "
-                         f"batch size, --max-new-tokens or --budget")
+        raise ValueError(f"{rows_need(batch, slots)} {need / 2**30:.2f} GiB of GPU memory but {free / 2**30:.2f} "
+                         f"GiB is free ({fits} would fit); lower the batch size, --max-new-tokens or --budget")
     return batch
+
+
+def rows_need(batch: int, slots: int) -> str:
+    """"3 sequences of 64 KV slots need", "1 sequence of 1 KV slot needs": how a refusal of their memory begins."""
+    return f"{plural(batch, 'sequence')} of {plural(slots, 'KV slot')} need" + ("s" if batch == 1 else "")

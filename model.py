@@ -4,6 +4,7 @@ Hugging Face checkpoints and tokenizers. Module paths equal the checkpoint's ten
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import fp8
 from cache import KVCache, Layer
 from policies import is_int
 from sampling import on_device
-from parallel import SINGLE, Group
+from parallel import SINGLE, Group, rank
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -346,14 +347,30 @@ HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "chat_template.jinja", "model*.safetensors", "model.safetensors.index.json"]
 
 
+# the Hub's owners of the supported families, by how their bare names begin (Qwen3-8B is Qwen/Qwen3-8B)
+HUB_OWNERS = {"Qwen3-": "Qwen", "Qwen2.5-": "Qwen", "QwQ-32B": "Qwen", "DeepSeek-R1-Distill-": "deepseek-ai",
+              "Llama-3.1-": "meta-llama"}
+
+
+def hub_id(name: str) -> str | None:
+    """A bare name of a supported family as its Hub id (Qwen3-8B: Qwen/Qwen3-8B), else None."""
+    owner = next((owner for start, owner in HUB_OWNERS.items() if name.startswith(start)), None)
+    return f"{owner}/{name}" if owner and "/" not in name else None
+
+
 def resolve(name: str) -> str:
-    """A local folder as is; anything else is a Hub id, fetched (or found in the local cache)."""
+    """A local folder as is; a bare name of a supported family (Qwen3-8B) as its Hub id, said on stderr; anything
+    else is a Hub id, fetched (or found in the local cache)."""
     name = os.path.expanduser(name)  # `--model=~/dir`: the shell leaves that tilde alone
     if os.path.isdir(name):
         return name
     if os.path.exists(name):
         raise ValueError(f"{name} is a file, not a model folder: give the folder that holds config.json, "
                          f"*.safetensors and tokenizer.json")
+    if hub_id(name):
+        if rank() == 0:
+            print(f"model {name!r}: no such folder here, so the Hugging Face Hub's {hub_id(name)}", file=sys.stderr)
+        name = hub_id(name)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise FileNotFoundError(f"model path {name!r} does not exist (give a local folder or a Hub id "
                                 f"like Qwen/Qwen3-8B)")
@@ -562,6 +579,11 @@ class Tokenizer:
         if "repetition_penalty" in gen:  # applies to greedy decoding too
             self.defaults["repetition_penalty"] = gen["repetition_penalty"]
 
+    @property
+    def has_thinking_switch(self) -> bool:
+        """Whether the chat template reads enable_thinking (Qwen3's does): else a thinking switch changes nothing."""
+        return self.template is not None and "enable_thinking" in self.template
+
     def encode(self, text: str, special: bool = True) -> list[int]:
         """special: add what the tokenizer adds to the start of a text (BOS for Llama 3); not for a text
         that continues another."""
@@ -658,7 +680,7 @@ def check_vocab(tok: Tokenizer, cfg: Config, eos_source: str):
     """Token ids the model has no embedding for are refused at load, not when a prompt or EOS first holds
     one. eos_source: the file tok.eos_ids come from."""
     # the highest id: the model's own ids count up from 0, added tokens take theirs (a dict of the whole
-    # vocabulary would cost a tenth of a second)
+    # vocabulary would be slow to build)
     top = max([tok.tok.get_vocab_size(with_added_tokens=False) - 1, *tok.tok.get_added_tokens_decoder()])
     if top >= cfg.vocab_size:
         raise ValueError(f"the tokenizer has ids up to {top} but the model's vocab_size is {cfg.vocab_size}: "
@@ -682,8 +704,36 @@ def generation_defaults(gen: dict, path: str) -> dict:
     return gen
 
 
+def plural(n: int, word: str) -> str:
+    """"1 token", "2 tokens": a count and its noun, for messages."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # what weights load in
 WEIGHTS = ("auto", "fp8")  # as stored, or the layers' linear weights quantized into FP8 blocks at load (fp8.py)
+
+
+def pick_device(device: str | None, dtype: str | torch.dtype | None):
+    """CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU, unless asked otherwise."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise ValueError(f"unsupported device {str(device)!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA was asked for but is not available on this machine; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    return device, dtype
 
 
 def load(name: str, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:

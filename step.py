@@ -9,6 +9,7 @@ the next token is the step's mode: a Sampler (generation) or a Forcing (teacher 
 given continuation, and how likely the model found it).
 """
 import copy
+import time
 import types
 from dataclasses import dataclass
 from typing import ClassVar
@@ -100,8 +101,8 @@ def advance_forced(logits, state: State, f: Forcing):
 # ---- the busy rows: the step at a smaller batch, and the rows moved down to it -----------------------------
 def batch_sizes(most: int) -> list[int]:
     """The batch sizes the step is made for, up to `most` (the engine's rows): 1, 2, 4, 8, every 8 rows to 64,
-    every 16 above, and `most`. On an H200 a step costs about 0.135 ms more per row above 16 rows
-    (docs/performance.md), so rounding the busy rows up to the next size costs at most about a tenth of a step."""
+    every 16 above, and `most`. A step's cost grows with its rows, so rounding the busy rows up to the next size
+    costs at most about a tenth of a step (docs/performance.md, "Measurements that code comments used to hold")."""
     ladder = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, most, 16))
     return [n for n in ladder if n < most] + [most]
 
@@ -183,11 +184,12 @@ def keep_many_versions():
 # ---- the server's prefill: one layer compiled for groups of prompts of any size and length -----------------
 def compiled_prefill():
     """The run_block that Transformer.forward runs a prefill's layers with, compiled (fullgraph). Eagerly a layer
-    launches about a hundred small kernels, a 36-layer model's prefill some 3,700: on an H200 the host took 72-81
-    ms to launch them for one prompt of 128 tokens (23-37 ms compiled); a server prefills such groups all day,
-    between the decode's blocks. One compiled version serves every group of two or more prompts of any length
-    from 2 tokens (for_any_prompts), another a lone prompt: the compiler specialises a dimension of size 1
-    (one-token prompts would get a third; the engine prefills them eagerly)."""
+    launches about a hundred small kernels, a 36-layer model's prefill some 3,700, and the host's time to launch
+    them outweighs the GPU's work on a short prompt (docs/performance.md, "Measurements that code comments used
+    to hold"); a server prefills such groups all day, between the decode's blocks. One compiled version serves
+    every group of two or more prompts of any length from 2 tokens (for_any_prompts), another a lone prompt: the
+    compiler specialises a dimension of size 1 (one-token prompts would get a third; the engine prefills them
+    eagerly)."""
     keep_many_versions()
     return for_any_prompts(torch.compile(own_code(run_block), fullgraph=True, dynamic=False))
 
@@ -208,10 +210,10 @@ def for_any_prompts(fn):
 class PrefillGraphs:
     """The server's compiled prefill of small groups (1 to GROUPS prompts, padded up to one of LENGTHS tokens),
     captured as CUDA graphs at start-up, one per group size and length. Compiled, a prefill still launches
-    about a thousand kernels (36 layers), and the GPU waits for them: on an H200 a 128-token prompt took 27 ms
-    of GPU time alone, 8-9 ms a request in groups of two at 16 requests/s, where its work is about 4 ms
-    (docs/performance.md). A replay is one launch. The graphs read static inputs (copied in before each replay)
-    and share the decode step's memory pool: one graph runs at a time, and a replay's logits are copied out."""
+    about a thousand kernels (36 layers), and the GPU waits for them, several times as long as its work on a
+    short prompt (docs/performance.md, "Measurements that code comments used to hold"). A replay is one launch.
+    The graphs read static inputs (copied in before each replay) and share the decode step's memory pool: one
+    graph runs at a time, and a replay's logits are copied out."""
 
     LENGTHS = (16, 32, 64, 128, 256, 512)
     GROUPS = 8
@@ -334,3 +336,34 @@ class Stepper:
             self.graphs[self.hot, self.size].replay()
         else:
             self.step(self.hot)
+
+
+# ---- the device's time -----------------------------------------------------------------------------------
+def sync_time(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class DeviceTimer:
+    """The device's time for the work queued from its making to stop(), read after a later host sync without
+    adding one: CUDA events on a GPU; on the CPU, which runs each op as it is called, the host's clock."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.stream else None
+        self.times = [time.perf_counter()] * 2
+        if self.events:
+            self.events[0].record(self.stream)
+
+    def stop(self) -> "DeviceTimer":
+        if self.events:
+            self.events[1].record(self.stream)
+        self.times[1] = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if not self.events:
+            return self.times[1] - self.times[0]
+        self.events[1].synchronize()  # done already after the host sync that reads the work's results
+        return self.events[0].elapsed_time(self.events[1]) / 1e3

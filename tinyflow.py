@@ -32,9 +32,10 @@ def check_own_modules():
 check_own_modules()
 from cache import KV_DTYPES
 from policies import resolve_policy  # noqa: E402 (after the check, which says why an import would go wrong)
-from generate import Engine, Interrupted, Stats, pick_device  # noqa: E402
+from generate import Engine, Interrupted, Stats  # noqa: E402
 from sampling import Sampling  # noqa: E402
-from model import DTYPES, WEIGHTS, load  # noqa: E402
+from cli import refuse_thinking, refuse_when_greedy  # noqa: E402
+from model import DTYPES, WEIGHTS, load, pick_device  # noqa: E402
 from parallel import join, launched  # noqa: E402
 
 
@@ -79,6 +80,7 @@ class LLM:
         self.model, self.tokenizer = load(model, self.device, self.dtype, tp, weights)
         self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context,
                              kv_dtype=KV_DTYPES[kv_dtype])
+        self.engine.check_budget(budget)  # (set_policy's later budgets: when generate or score runs)
         self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)
 
     def set_policy(self, budget: int | None, policy: str | None = None, sinks: int | None = None,
@@ -92,23 +94,31 @@ class LLM:
 
     def generate(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | list[int] | None = None, batch_size: int | None = None,
-                 ignore_eos: bool = False, on_output=None, repetition_penalty: float = 1.0) -> list[Output]:
+                 ignore_eos: bool = False, on_output=None, repetition_penalty: float = 1.0, n: int = 1) -> list[Output]:
         """prompts: a list of strings (tokenized as they are) or of token-id lists. Greedy unless
-        temperature > 0; repetition_penalty as transformers defines it (1: none). batch_size: how many
+        temperature > 0; top_p, top_k and seed only apply when sampling (refused when greedy, but for top_p 1 and
+        top_k 0, which ask for nothing); repetition_penalty as transformers defines it (1: none). n: one output
+        per prompt (several samples of a prompt: repeat it in prompts). batch_size: how many
         sequences decode together (default: all, or as many as fit in GPU memory); the rest wait and
         take the rows that free up. seed: one int (prompt i gets seed + i) or one seed per prompt.
         ignore_eos: generate max_new_tokens tokens whatever they are. on_output(i, Output) is called as
         soon as prompt i is finished (outputs come back in prompt order at the end too). Ctrl-C raises
         generate.Interrupted, a KeyboardInterrupt holding the ids generated so far; self.stats counts them."""
         check_flags(ignore_eos=ignore_eos)
+        if n != 1:
+            raise ValueError(f"n={n!r}: generate returns one output per prompt; for {n} samples of a prompt, give it "
+                             f"{n} times in prompts with a temperature above 0 (prompt i samples with seed + i)")
+        sampling = Sampling(temperature, top_k, top_p, repetition_penalty)
+        # top_p 1 and top_k 0 ask for nothing, so a greedy run ignores nothing (eval.py passes them to every run)
+        given = {"top_p": top_p if top_p != 1 else None, "top_k": top_k if top_k != 0 else None, "seed": seed}
+        refuse_when_greedy(given, sampling, True, "give temperature= above 0")
         if on_output is not None and not callable(on_output):  # it would fail only once the first prompt is done
             raise TypeError(f"on_output must be a function of (i, Output), got {type(on_output).__name__}")
         ids = self._ids(prompts, "prompts")
         eos = [] if ignore_eos else self.tokenizer.eos_ids
         on_done = (lambda i, o: on_output(i, Output(list(o), self.tokenizer.decode(o)))) if on_output else None
         try:
-            outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget, self.policy,
-                                                    Sampling(temperature, top_k, top_p, repetition_penalty), seed,
+            outs, self.stats = self.engine.generate(ids, max_new_tokens, eos, self.budget, self.policy, sampling, seed,
                                                     batch_size, prompt_rule=self.prompt_rule, on_done=on_done)
         except Interrupted as stop:
             self.stats = stop.stats
@@ -133,16 +143,21 @@ class LLM:
             raise TypeError(f"{what} must be a list of strings or of token-id lists, not {type(texts).__name__}")
         return [self.tokenizer.encode(t, special) if isinstance(t, str) else token_ids(t, what) for t in texts]
 
-    def chat(self, conversations, enable_thinking: bool = True, **kwargs) -> list[Output]:
+    def chat(self, conversations, enable_thinking: bool | None = None, **kwargs) -> list[Output]:
         """conversations: a list of conversations, each a list of {"role", "content"} messages (one
         conversation alone is accepted too); a content may be OpenAI's text parts ([{"type": "text", "text":
-        ...}], joined), an assistant's null. Rendered with the model's own chat template."""
+        ...}], joined), an assistant's null. Rendered with the model's own chat template. enable_thinking: the
+        template's thinking switch (None: the template's default, thinking for Qwen3); refused for a template
+        that has none."""
         if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not all(map(is_conversation, conversations)):
             raise TypeError("chat takes a list of messages ({'role': ..., 'content': ...}), or a list of such "
                             "lists; for plain text use generate")
-        ids = [self.tokenizer.chat(c, enable_thinking) for c in conversations]
+        if enable_thinking is not None:
+            check_flags(enable_thinking=enable_thinking)
+            refuse_thinking(self.tokenizer, f"enable_thinking={enable_thinking!r}")
+        ids = [self.tokenizer.chat(c, enable_thinking is not False) for c in conversations]
         return self.generate(ids, **kwargs)
 
 

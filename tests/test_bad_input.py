@@ -2,6 +2,7 @@
 line (130 for Ctrl-C), a clear exception from the API, and never a silent no-op or a wrong number."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -80,8 +81,8 @@ def test_null_in_generation_config_and_config_means_not_set(checkpoints, tmp_pat
     folder = copy_of(checkpoints, tmp_path)
     edit_json(folder, "generation_config.json", update(do_sample=True, temperature=None, top_p=None))
     edit_json(folder, "config.json", update(rms_norm_eps=None, head_dim=None))
-    code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile")
-    assert code == 0 and "generated" in out, err
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile")
+    assert code == 0 and "generated" in err, err
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -198,6 +199,9 @@ def test_a_tokenizer_eos_id_or_weight_the_model_cannot_use_is_refused_at_load(ch
     (["--policy", "full", "--budget", "64"], "--policy full keeps every token: drop --budget"),
     (["--policy", "full", "--sinks", "2"], "--policy full keeps every token: drop --sinks"),
     (["--seed", "99999999999999999999999", "--temperature", "1"], "seeds must fit in 64 bits"),
+    (["-n", "2"], "-n 2: generate.py answers each copy of the prompt once; for 2 samples of it, give --batch-size 2 "
+                  "--temperature T (> 0)"),
+    (["--n", "3"], "for 3 samples of it, give --batch-size 3"),
     (["--top-p", "0.5"], "--top-p only applies when sampling, and this decodes greedily (temperature 0, the model"),
     (["--seed", "3", "--top-k", "5", "--temperature", "0"], "--top-k and --seed only apply when sampling"),
     (["--repetition-penalty", "1e-300"], "--repetition-penalty must be a number from 1e-30 to 1e30 (1: none), got 1e-300"),
@@ -222,9 +226,9 @@ def test_the_stats_line_names_the_policy_and_compares_the_same_rows(checkpoints,
     longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
     assert stats.full_kv_bytes == KVCache.bytes_needed(model.cfg, 2, longest, torch.float32, POLICIES["full"])
     assert "KV cache longflow, 40 slots/seq" in stats.line() and "a full cache would need" in stats.line()
-    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--max-new-tokens", "4",
+    code, _, err = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--max-new-tokens", "4",
                        "--no-compile")
-    assert code == 0 and "KV cache full," in out and "a full cache would need" not in out
+    assert code == 0 and "KV cache full," in err and "a full cache would need" not in err
 
 
 def test_help_shows_the_defaults(capsys, monkeypatch):
@@ -267,10 +271,11 @@ def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoin
     r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["qwen3"], "--prompt-file", "-",
                         "--no-chat", "--max-new-tokens", "2", "--device", "cpu", "--no-compile"],
                        cwd=ROOT, input="Hello world", capture_output=True, text=True, timeout=300)
-    code, out, _ = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
-                       "--max-new-tokens", "2", "--no-compile")
+    code, out, err = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
+                         "--max-new-tokens", "2", "--no-compile")
     assert r.returncode == 0 and code == 0, r.stderr
-    assert r.stdout.splitlines()[-1].split(" tok,")[0] == out.splitlines()[-1].split(" tok,")[0]  # same prompt
+    assert r.stderr.splitlines()[-1].split(" tok,")[0] == err.splitlines()[-1].split(" tok,")[0]  # same prompt
+    assert r.stdout == out  # and the same answer
     latin1 = tmp_path / "prompt.txt"
     latin1.write_bytes("café".encode("latin-1"))
     one_line_error(*cli(capsys, "--model", checkpoints["qwen3"], "--prompt-file", latin1)[::2],
@@ -280,8 +285,8 @@ def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoin
 def test_a_model_path_with_a_tilde_is_the_home_folder(checkpoints, tmp_path, capsys, monkeypatch):
     shutil.copytree(checkpoints["qwen3"], tmp_path / "ckpt")
     monkeypatch.setenv("HOME", str(tmp_path))
-    code, out, err = cli(capsys, "--model=~/ckpt", "--prompt", "Hi", "--max-new-tokens", "2", "--no-compile")
-    assert code == 0 and "generated" in out, err
+    code, _, err = cli(capsys, "--model=~/ckpt", "--prompt", "Hi", "--max-new-tokens", "2", "--no-compile")
+    assert code == 0 and "generated" in err, err
 
 
 def start(*args):
@@ -297,7 +302,8 @@ def test_ctrl_c_prints_what_was_generated_and_its_stats_then_exits_130(checkpoin
     out, err = run.communicate(timeout=300)
     assert run.returncode == 130 and first, err
     assert "Traceback" not in err and err.strip().endswith("interrupted")
-    assert "generated" in out and "KV cache longflow, 40 slots/seq" in out  # the stats of what was generated
+    assert "generated" in err and "KV cache longflow, 40 slots/seq" in err  # the stats of what was generated
+    assert "KV cache" not in out  # standard output holds the answer alone
 
 
 def test_a_second_ctrl_c_while_the_first_ones_output_is_written_is_ignored(checkpoints):
@@ -311,7 +317,7 @@ def test_a_second_ctrl_c_while_the_first_ones_output_is_written_is_ignored(check
     run.send_signal(signal.SIGINT)
     out, err = run.communicate(timeout=300)
     assert run.returncode == 130 and "Traceback" not in err and err.strip().endswith("interrupted"), err
-    assert "KV cache longflow, 40 slots/seq" in out
+    assert "KV cache longflow, 40 slots/seq" in err
 
 
 def test_a_reader_that_goes_away_ends_the_run_quietly(checkpoints):
@@ -338,7 +344,7 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
     with pytest.raises(ValueError, match="token ids must be integers"):
         llm.generate([np.array([1.5, 2.0])])
     with pytest.raises(ValueError, match="seeds must fit in 64 bits"):
-        llm.generate(["Hi"], seed=2**63)
+        llm.generate(["Hi"], seed=2**63, temperature=1.0)
     with pytest.raises(ValueError, match="no prompts given"):
         llm.generate([])
     # numpy integers are integers everywhere, and a message's content is the template's to read
@@ -401,15 +407,16 @@ def test_api_policy_and_budget_must_go_together(checkpoints):
 
 def test_context_past_max_position_embeddings_only_when_allowed(checkpoints, tmp_path):
     """A copy of the tiny Qwen3 trained (says its config) for 32 positions: a prompt of 20 and 12 new tokens
-    fill them exactly and run; one more token is refused, unless allowed."""
+    fill them exactly and run; one more token is refused, unless allowed (and so is a budget, of at least 33 slots,
+    past those 32: test_a_budget_past_the_models_context_is_refused_unless_long_context_is_allowed)."""
     folder = copy_of(checkpoints, tmp_path, "qwen3")
     edit_json(folder, "config.json", update(max_position_embeddings=32))
     model, _ = load(str(folder), torch.device("cpu"), torch.float32)
-    outs, _ = Engine(model, compile=False).generate([[1] * 20], 12, [], 40)
+    outs, _ = Engine(model, compile=False).generate([[1] * 20], 12, [])
     assert len(outs[0]) == 12
     with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ new tokens \(13\) = 33 positions, past the "
                                          r"model's max_position_embeddings 32"):
-        Engine(model, compile=False).generate([[1] * 20], 13, [], 40)
+        Engine(model, compile=False).generate([[1] * 20], 13, [])
     outs, _ = Engine(model, compile=False, allow_long_context=True).generate([[1] * 20], 50, [], 40)
     assert len(outs[0]) == 50
     assert len(Engine(model, compile=False).score([[1] * 20], [[2] * 12])[0][0]) == 12  # teacher forcing: the same
@@ -458,3 +465,90 @@ def test_under_torchrun_an_argparse_error_is_printed_by_rank_0_alone(checkpoints
     code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--max-new-tokens", "0")
     says = "error: argument --max-new-tokens: expected a positive integer" if printed else ""
     assert code == 2 and err.startswith(says) and err.count("\n") == printed, err
+
+
+# ---- settings that would be ignored, through the API as on the command line --------------------------------
+def test_api_refuses_top_p_top_k_and_seed_when_greedy_as_the_command_line_does(checkpoints):
+    """The README's promise, a setting that would be ignored is refused, holds for LLM.generate too; top_p 1 and
+    top_k 0 ask for nothing, so nothing is ignored."""
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    for given, named in ((dict(top_p=0.5), "top_p only applies"), (dict(top_k=5, seed=3), "top_k and seed only apply"),
+                         (dict(temperature=0.0, seed=0), "seed only applies")):
+        with pytest.raises(ValueError, match=re.escape(f"{named} when sampling, and this decodes greedily "
+                                                       f"(temperature 0): give temperature= above 0 or drop")):
+            llm.generate(["Hi"], max_new_tokens=2, **given)
+    assert len(llm.generate(["Hi"], max_new_tokens=2, top_p=1.0, top_k=0, ignore_eos=True)[0].token_ids) == 2
+
+
+def no_thinking_switch(checkpoints, tmp_path):
+    """A copy of the tiny Qwen3 whose chat template never reads enable_thinking (as Qwen2.5's)."""
+    folder = copy_of(checkpoints, tmp_path, "qwen3")
+    edit_json(folder, "tokenizer_config.json", lambda c: {**c, "chat_template": c["chat_template"].split(
+        "{% if enable_thinking")[0] + "{% endif %}"})
+    return folder
+
+
+@pytest.mark.parametrize("flag", ["--thinking", "--no-thinking"])
+def test_a_thinking_switch_the_chat_template_never_reads_is_refused(checkpoints, tmp_path, capsys, flag):
+    folder = no_thinking_switch(checkpoints, tmp_path)
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", flag)[::2],
+                   f"{flag} would be ignored: this model's chat template has no thinking switch (it never reads "
+                   f"enable_thinking); drop it")
+    llm = tinyflow.LLM(str(folder), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=re.escape("enable_thinking=False would be ignored: this model's chat "
+                                                   "template has no thinking switch")):
+        llm.chat([{"role": "user", "content": "Hi"}], enable_thinking=False, max_new_tokens=2)
+    assert len(llm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2
+
+
+def test_a_thinking_switch_with_a_plain_text_prompt_is_refused(checkpoints, capsys):
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hi", "--no-compile", "--no-chat",
+                        "--no-thinking")[::2],
+                   "--no-thinking only applies to a prompt in the model's chat template: drop --no-chat or drop it")
+
+
+def test_a_budget_past_the_models_context_is_refused_unless_long_context_is_allowed(checkpoints, capsys):
+    """The tiny models' max_position_embeddings is 512: slots past it could never be filled."""
+    says = ("budget 600 is more KV slots than a sequence can fill: the model's context (max_position_embeddings) is "
+            "512 tokens; give a budget of at most 512")
+    one_line_error(*cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 600,
+                        "--max-new-tokens", 2)[::2], says)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        tinyflow.LLM(str(checkpoints["qwen2"]), budget=600, device="cpu", compile=False)
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), budget=512, device="cpu", compile=False)
+    llm.set_policy(600)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        llm.generate(["Hi"], max_new_tokens=2)
+    long = tinyflow.LLM(str(checkpoints["qwen2"]), budget=600, device="cpu", compile=False, allow_long_context=True)
+    assert len(long.generate(["Hi"], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2
+
+
+# ---- messages: counts in words, and what to do -----------------------------------------------------------
+def test_an_id_outside_the_vocabulary_names_its_prompt_and_the_id(checkpoints):
+    """The README's example once held Qwen's ids, which fail on a smaller vocabulary: the message says which
+    prompt and which id, and where right ids come from."""
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=re.escape("prompt token ids must be integers in [0, 320) for this model; "
+                                                   "prompt 1 holds 151644 (ids from another model's tokenizer? "
+                                                   "encode text with this one's)")):
+        llm.generate(["Hi", [151644, 872], [5]], max_new_tokens=2)
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "151644" not in readme and 'llm.generate(["What is 17 * 23?", llm.tokenizer.encode(' in readme
+
+
+def test_n_other_than_1_says_how_to_get_several_samples(checkpoints):
+    llm = tinyflow.LLM(str(checkpoints["qwen2"]), device="cpu", compile=False)
+    with pytest.raises(ValueError, match=re.escape("n=3: generate returns one output per prompt; for 3 samples of a "
+                                                   "prompt, give it 3 times in prompts with a temperature above 0")):
+        llm.generate(["Hi"], n=3)
+
+
+def test_counts_in_messages_are_singular_for_one(checkpoints):
+    model, _ = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    engine = Engine(model, compile=False)
+    with pytest.raises(ValueError, match=re.escape("prompt (1 token) + new tokens (600) = 601 positions")):
+        engine.generate([[5]], 600, [])
+    with pytest.raises(ValueError, match=re.escape("give one continuation per prompt: 1 prompt, 2 continuations")):
+        engine.score([[5]], [[6], [7]])
+    assert memory.rows_need(1, 1) == "1 sequence of 1 KV slot needs"
+    assert memory.rows_need(3, 64) == "3 sequences of 64 KV slots need"

@@ -199,7 +199,8 @@ def test_the_longflow_protocol_asks_decodes_and_grades_as_the_official_scripts(c
     it in the run's settings."""
     data, out = write_data(tmp_path), tmp_path / "runs"
     ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow", "--protocol", "longflow",
-             "--max-new-tokens", "6", "--prompt-tokens", "30", "--out", str(out), "--device", "cpu", "--no-compile"])
+             "--max-new-tokens", "6", "--prompt-tokens", "30", "--out", str(out), "--device", "cpu", "--no-compile",
+             "--allow-long-context"])  # the protocol's 2,048 slots are past the tiny model's 512 positions
     settings = json.loads((out / "mini_longflow_2048.settings.json").read_text())
     assert settings["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.2}
     assert (settings["answer"], settings["prompt_tokens"], settings["max_new_tokens"]) == ("first", 30, 6)
@@ -321,7 +322,7 @@ def test_needle_prompts_are_never_cut_and_a_run_named_twice_runs_once(checkpoint
     data, out = write_data(tmp_path), tmp_path / "runs"
     ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "longflow", "longflow:2048",
              "--protocol", "longflow", "--max-new-tokens", "4", "--limit", "1", "--out", str(out), "--device", "cpu",
-             "--no-compile"])
+             "--no-compile", "--allow-long-context"])  # 2,048 slots: past the tiny model's 512 positions
     assert len((out / "mini_longflow_2048.jsonl").read_text().splitlines()) == 1
 
 

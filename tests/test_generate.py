@@ -300,13 +300,17 @@ def test_refilled_rows_give_each_prompt_the_tokens_it_gets_alone(checkpoints, bu
     assert stats.batch == 2 and batched == alone
 
 
-def test_command_line_end_to_end(checkpoints):
-    """A real process: streams text and prints the stats line."""
+def test_command_line_end_to_end_the_answer_alone_on_stdout_the_stats_on_stderr(checkpoints):
+    """A real process: streams the answer on standard output, alone (`generate.py ... > answer.txt` holds just
+    it), and prints the stats line on standard error."""
     r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["llama"], "--prompt", "Hello",
                         "--max-new-tokens", "8", "--budget", "40", "--device", "cpu", "--no-compile"],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr
-    assert "generated" in r.stdout and "KV cache longflow, 40 slots/seq" in r.stdout
+    assert "generated 8 tok" in r.stderr and "KV cache longflow, 40 slots/seq" in r.stderr
+    llm = tinyflow.LLM(str(checkpoints["llama"]), device="cpu", compile=False, budget=40)
+    answer = llm.chat([{"role": "user", "content": "Hello"}], max_new_tokens=8)[0].text
+    assert r.stdout == answer + "\n"
 
 
 def test_command_line_batch_prints_every_sequence(checkpoints, capsys):
@@ -404,6 +408,15 @@ def test_bad_command_line_input_is_one_clear_line(checkpoints, capsys, args, mes
     assert code == 2 and message in err and err.startswith("error:") and err.count("\n") == 1, err
 
 
+def test_without_a_prompt_the_command_line_says_which_it_asks(checkpoints, capsys):
+    """`generate.py --model M` (the design's first command) answers a built-in question: its first line on
+    stderr says which, and how to ask another, so nobody waits for the answer to a question they never asked."""
+    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--no-compile", "--max-new-tokens", 2)
+    assert code == 0 and out, err
+    assert err.splitlines()[0] == ("no --prompt given, so asking 'Briefly, why is the sky blue?' (give --prompt TEXT "
+                                   "or --prompt-file FILE)"), err
+
+
 def test_a_batch_too_large_for_memory_is_refused_before_its_prompts_are_checked(checkpoints, capsys, monkeypatch):
     """--batch-size 10**8 on the CPU: refused by its size at once, not after checking 10**8 copies of the prompt."""
     monkeypatch.setattr(generate, "check_request", lambda *a, **k: pytest.fail("the copies were checked first"))
@@ -429,28 +442,32 @@ def test_a_prompt_given_many_times_has_its_ids_checked_once():
 def test_the_stats_line_says_what_setup_timed_and_when_the_budget_held_everything(checkpoints, capsys):
     """Under --no-compile nothing compiles, so the setup time is not called compile; a budget longer than every
     sequence evicts nothing, and the line says so instead of comparing with a full cache."""
-    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 64,
-                         "--max-new-tokens", 4)
-    assert code == 0 and ", setup " in out and "compile" not in out, err
-    longest = int(re.search(r"prompt (\d+) tok", out)[1]) + 4  # the chat template's prompt and 4 new tokens
-    assert f"(the budget holds every token: the longest sequence has {longest}, none was evicted)" in out
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--no-compile", "--budget", 64,
+                       "--max-new-tokens", 4)
+    assert code == 0 and ", setup " in err and "compile" not in err, err
+    longest = int(re.search(r"prompt (\d+) tok", err)[1]) + 4  # the chat template's prompt and 4 new tokens
+    assert f"(the budget holds every token: the longest sequence has {longest}, none was evicted)" in err
     model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     _, stats = Engine(model).generate([tok.encode("Hi")], 4, [], budget=36)  # compiled (code the compiler has cached)
     assert ", compile " in stats.line()
 
 
-def test_a_run_interrupted_before_any_token_compares_with_no_full_cache(checkpoints, monkeypatch):
-    """Ctrl-C during the first prefill: no token, so no sequence a full cache would hold (not "0.0 MiB")."""
+def test_a_run_interrupted_during_its_first_prefill_says_so_and_compares_with_no_full_cache(checkpoints, monkeypatch):
+    """Ctrl-C during the first prefill: the line says what was cut (not "prompt 0 tok, generated 0 tok"); no
+    token, so no sequence a full cache would hold (not "0.0 MiB")."""
     model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
     engine = Engine(model, compile=False)
 
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(engine, "_fill_free_rows", ctrl_c)  # the prefill that would give the first token
+    monkeypatch.setattr(engine, "_admit", ctrl_c)  # the prefill that would give the first tokens
+    prompts = [tok.encode("Hi"), tok.encode("Hello world")]
     with pytest.raises(generate.Interrupted) as stop:
-        engine.generate([tok.encode("Hi")], 4, [], 40)
+        engine.generate(prompts, 4, [], 40)
     line = stop.value.stats.line()
-    assert "generated 0 tok" in line and line.endswith(" MiB") and "full cache" not in line, line
+    tokens = len(prompts[0]) + len(prompts[1])
+    assert line.startswith(f"interrupted during prefill of {tokens} prompt tokens, nothing generated ("), line
+    assert line.endswith(" MiB") and "full cache" not in line, line
 
 
 def test_a_python_session_that_calls_main_keeps_its_ctrl_c_after_an_interrupted_run(checkpoints, capsys, monkeypatch):
@@ -458,10 +475,10 @@ def test_a_python_session_that_calls_main_keeps_its_ctrl_c_after_an_interrupted_
     a notebook that called main() must still be able to interrupt what it runs next."""
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(Engine, "_fill_free_rows", ctrl_c)
-    code, out, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--max-new-tokens", "4",
-                         "--no-compile")
-    assert code == 130 and err.strip().endswith("interrupted") and "generated 0 tok" in out, err
+    monkeypatch.setattr(Engine, "_admit", ctrl_c)
+    code, _, err = cli(capsys, "--model", checkpoints["qwen2"], "--prompt", "Hi", "--max-new-tokens", "4",
+                       "--no-compile")
+    assert code == 130 and err.strip().endswith("interrupted") and "nothing generated" in err, err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -480,9 +497,9 @@ def test_a_bad_default_sampling_setting_names_generation_config(checkpoints, tmp
     code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile")
     assert code == 2 and err == ("error: this model's generation_config.json sets top_p to 1.5, which must be a "
                                  "number in (0, 1]: give --top-p to override it\n"), err
-    code, out, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", "--top-p", "0.9",
-                         "--max-new-tokens", "2")
-    assert code == 0 and "generated 2 tok" in out, err
+    code, _, err = cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", "--top-p", "0.9",
+                       "--max-new-tokens", "2")
+    assert code == 0 and "generated 2 tok" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -617,3 +634,58 @@ def test_chat_without_thinking_renders_exactly_the_templates_empty_think_block(c
     on = llm.chat(hi, max_new_tokens=6, ignore_eos=True)
     assert llm.stats.prompt_tokens == len(plain)
     assert on == llm.generate([plain], max_new_tokens=6, ignore_eos=True) != off
+
+
+def test_the_first_token_is_drawn_with_the_noise_of_its_own_position(checkpoints, monkeypatch):
+    """The first token, sampled from the prefill's last logits, draws the noise of its own position, len(prompt)
+    (sampling.uniform_noise hashes seed, position and token id), not that of the prompt's last token: for each
+    seed it is sample() of exactly those logits at len(prompt), and for some seed the position before would have
+    drawn another token. A temperature of 5 makes the distribution flat enough for the noise to decide."""
+    from sampling import Sampler
+    model, tok = load(str(checkpoints["qwen2"]), torch.device("cpu"), torch.float32)
+    engine, prompt = Engine(model, compile=False), tok.encode("The quick brown fox")
+    firsts, pick = [], Sampler.pick
+
+    def keep_first_logits(self, logits, seeds, positions, rows=None, hot=True):
+        if rows is not None:  # the prefill's pick (the decode step's takes every row)
+            firsts.append(logits.clone())
+        return pick(self, logits, seeds, positions, rows, hot)
+    monkeypatch.setattr(Sampler, "pick", keep_first_logits)
+    before = []
+    for seed in range(8):
+        first = engine.generate([prompt], 1, [], sampling=Sampling(temperature=5.0), seed=seed)[0][0][0]
+        at = lambda position: draw_rows(firsts[-1], seed, torch.tensor([position]), 5.0, 0).item()
+        assert first == at(len(prompt)), seed
+        before.append(at(len(prompt) - 1) != first)
+    assert any(before)  # the noise of the position before draws other tokens: the check above can tell
+
+
+def test_the_memory_planner_counts_an_fp8_caches_keys_dequantized(checkpoints):
+    """With an FP8 cache a row also costs one layer's keys in the model's dtype (the rules that read keys
+    dequantize them each step): slots x KV heads x head_dim x 2 bytes in bf16, beyond the FP8 cache and the
+    step's 48 bytes per vocabulary id."""
+    import kernel
+    from cache import KVCache
+    cfg, bf16 = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)[0].cfg, torch.bfloat16
+    fp8_cache = KVCache.bytes_needed(cfg, 1, 3200, bf16, kv_dtype=kernel.FP8)
+    assert memory.bytes_per_row(cfg, 3200, bf16, kv_dtype=kernel.FP8) == fp8_cache + 3200 * 2 * 32 * 2 + 48 * 320
+    assert memory.bytes_per_row(cfg, 3200, bf16) == KVCache.bytes_needed(cfg, 1, 3200, bf16) + 48 * 320
+
+
+def test_a_bare_name_of_a_supported_family_is_its_hub_id_and_a_local_folder_wins(checkpoints, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """`--model Qwen3-8B` (the design's command, without the owner): Qwen/Qwen3-8B, said on stderr; a folder of
+    that name where the command runs is taken instead. No network: the download is replaced."""
+    from model import hub_id, resolve
+    assert [hub_id(n) for n in ("Qwen3-8B", "Qwen2.5-7B-Instruct", "QwQ-32B", "DeepSeek-R1-Distill-Qwen-7B",
+                                "Llama-3.1-8B-Instruct")] == [
+        "Qwen/Qwen3-8B", "Qwen/Qwen2.5-7B-Instruct", "Qwen/QwQ-32B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+        "meta-llama/Llama-3.1-8B-Instruct"]
+    assert [hub_id(n) for n in ("Qwen/Qwen3-8B", "Mistral-7B", "qwen3-8b", "my-model")] == [None] * 4
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: f"/hub/{name}")
+    assert resolve("Qwen3-8B") == "/hub/Qwen/Qwen3-8B"
+    assert capsys.readouterr().err == "model 'Qwen3-8B': no such folder here, so the Hugging Face Hub's Qwen/Qwen3-8B\n"
+    shutil.copytree(checkpoints["qwen2"], tmp_path / "Qwen3-8B")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("Qwen3-8B") == "Qwen3-8B" and capsys.readouterr().err == ""
