@@ -26,6 +26,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
+import calibration
 import kernel
 from parallel import SINGLE, Group
 
@@ -212,6 +213,20 @@ class Policy:
         """What the prompt's own attention gives each of its tokens [R, H_kv, T] (Accumulated's start),
         or None."""
         return None
+
+    # a rule that needs data of the model's own (TriAttention: statistics of its queries) gets it here
+    def for_model(self, model) -> "Policy":
+        """This policy ready to run with model (a model.Transformer): what it needs of the model's own is loaded
+        and checked here (the engine does it once per policy); the others need nothing."""
+        return self
+
+    def layer_data(self, index: int, device) -> dict[str, torch.Tensor]:
+        """Its data of layer `index`, the same for every row and never written (the cache's Layer.data)."""
+        return {}
+
+    def layer_data_bytes(self, cfg) -> int:
+        """The bytes of layer_data, one layer's (the memory planner counts them)."""
+        return 0
 
     def prompt_score(self, layer, q, k, v, pos, seed):
         """Its score over a prompt seen as the cache (prompt compression "decode"): what it keeps is

@@ -16,7 +16,8 @@ def check_own_modules():
     of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place,
     and an install older than one of them does not find it at all."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
+    for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli",
+                 "parallel", "calibration"):
         spec = importlib.util.find_spec(name)
         if spec is None:  # an editable install made before this module existed does not map it
             raise ImportError(f"tinyflow's install is out of date: `import {name}` finds no {name}.py; reinstall it "
@@ -77,6 +78,7 @@ class LLM:
         self.model, self.tokenizer = load(model, self.device, self.dtype, tp, weights)
         self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context,
                              kv_dtype=KV_DTYPES[kv_dtype])
+        self.engine.for_model(self.policy)  # a policy that needs data of this model (its statistics) is refused now
         self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)
 
     def set_policy(self, budget: int | None, policy: str | None = None, sinks: int | None = None,
