@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from calibration import QueryStats
 from cache import KVCache
 from policies import POLICIES, RecentQueries, hash32, resolve_policy
 
@@ -73,6 +74,43 @@ def rkv_formula(k, v, pos, q, now, recent, layer):
     return 0.1 * importance - 0.9 * redundancy
 
 
+# TriAttention scores with statistics of the model's queries (calibration.py): random ones here, each pair's mean
+# magnitude above the magnitude of its mean (as a mean of magnitudes is), RoPE's frequencies for theta 10^4
+_gen = torch.Generator().manual_seed(7)
+_q_mean = torch.randn(1, H_Q, D // 2, 2, generator=_gen)
+TRI_STATS = QueryStats(_q_mean, _q_mean.norm(dim=-1) + torch.rand(1, H_Q, D // 2, generator=_gen),
+                       1e4 ** -(torch.arange(0, D, 2) / D))
+
+
+@pytest.fixture(autouse=True)
+def triattention_with_statistics(monkeypatch):
+    """The registered triattention, ready for a model: with TRI_STATS (an engine loads a model's own)."""
+    monkeypatch.setitem(POLICIES, "triattention", replace(POLICIES["triattention"], stats=TRI_STATS))
+
+
+def triattention_formula(k, v, pos, q, now, recent, layer):
+    """TriAttention: per query head h, with key pairs k_f = k[f] + i k[f + D/2], the statistics' mean query qbar_hf,
+    mean magnitude A_hf, frequencies w_f, and t0 = now + 1 (the next token's position),
+      raw_h = 1/17 sum over d in 1, 2, 4, ..., 65536 of sum_f Re(qbar_hf conj(k_f) e^{i (t0 + d) w_f})
+              + sum_f (A_hf - |qbar_hf|) |k_f|,
+    in fp64; z-scored over the held slots outside the recent window (4 = 6.25% of 64), population std; then the
+    maximum over the KV head's query group."""
+    F = D // 2
+    qbar = torch.view_as_complex(TRI_STATS.q_mean[0].double()).view(1, H_KV, -1, 1, F)  # [1, H_kv, G, 1, F]
+    A = TRI_STATS.q_abs_mean[0].double().view(1, H_KV, -1, 1, F)
+    w = TRI_STATS.inv_freq.double()
+    kf = torch.complex(k[..., :F].double(), k[..., F:].double())[:, :, None]  # [B, H_kv, 1, S, F]
+    t0 = (now + 1).double()[:, None, None, None, None]
+    offsets = [2 ** i for i in range(17)]
+    trig = sum((qbar * kf.conj() * torch.exp(1j * (t0 + d) * w)).real.sum(-1) for d in offsets) / len(offsets)
+    raw = trig + ((A - qbar.abs()) * kf.abs()).sum(-1)  # [B, H_kv, G, S]
+    scored = ((pos >= 0) & (pos <= now[:, None, None] - 4))[:, :, None]
+    n = scored.sum(-1, keepdim=True)
+    mean = (raw * scored).sum(-1, keepdim=True) / n
+    std = (((raw - mean) * scored) ** 2).sum(-1, keepdim=True).div(n).sqrt()
+    return ((raw - mean) / std).amax(2).float()
+
+
 SPECS = {
     # LongFlow: mean over every query head of alpha_i * ||v_i||_1, one decision per layer
     "longflow": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None]),
@@ -99,6 +137,8 @@ SPECS = {
         + now.long()[:, None, None] * 0xC2B2AE3D) >> 8).float(), per_head=True),
     # Knorm: the largest key norm goes
     "knorm": Spec(lambda k, v, pos, *_: -k.norm(dim=-1), per_head=True),
+    # TriAttention: the calibrated mean query's attention at offsets ahead, z-scored, max over the group
+    "triattention": Spec(triattention_formula, per_head=True, window=4),
 }
 
 
@@ -260,7 +300,7 @@ def test_the_memory_planner_counts_exactly_what_the_cache_allocates(name):
         cache = KVCache(CFG, B, S, "cpu", torch.float32, p, kv_dtype=kv_dtype)
         c = cache.layers[0]
         scales = (c.k_scale, c.v_scale, c.v_top) if kv_dtype else ()
-        tensors = (c.k, c.v, c.pos, *scales, *c.kept.values())
+        tensors = (c.k, c.v, c.pos, *scales, *c.kept.values(), *c.data.values())
         assert KVCache.bytes_needed(CFG, B, S, torch.float32, p, kv_dtype) == \
             sum(t.numel() * t.element_size() for t in tensors)
 
