@@ -142,6 +142,16 @@ def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, d
     return path, len(ids)
 
 
+def random_stats(cfg, seed: int = 0) -> QueryStats:
+    """Statistics of random values in cfg's shapes (model.Config: its layers, heads, RoPE), each pair's mean
+    magnitude above the magnitude of its mean as a real one is: for timing a step on random weights (bench.py)."""
+    from model import rope_frequencies
+    gen = torch.Generator().manual_seed(seed)
+    q_mean = torch.randn(cfg.n_layers, cfg.n_heads, cfg.head_dim // 2, 2, generator=gen)
+    q_abs_mean = q_mean.norm(dim=-1) + torch.rand(q_mean.shape[:-1], generator=gen)
+    return QueryStats(q_mean, q_abs_mean, rope_frequencies(cfg, "cpu"))
+
+
 # ---- reading them for a model --------------------------------------------------------------------------------
 def load_for(model) -> QueryStats:
     """The statistics of `model` (a model.Transformer loaded by model.load), from the cache folder by its
