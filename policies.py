@@ -15,7 +15,9 @@ one the next token overwrites. Empty slots always go first, and the policy's pro
 A rule the fused kernel scores (KernelPolicy) declares instead, as data, what the kernel scores it by
 (`scoring`, a kernel.Scoring): the kernel attends and decides in one pass, and what it keeps follows from
 that. The prompt's attention seeds a kept state (`prompt_seed`: H2O, VATP, LongFlow-EMA), and a prompt longer
-than the budget is cut by SnapKV, StreamingLLM, or the policy's own score over the prompt (PROMPT_RULES).
+than the budget is cut by SnapKV, StreamingLLM, or the policy's own score over the prompt (PROMPT_RULES). A rule that
+needs data of the model's own (TriAttention: statistics of its queries) loads it in `for_model(model)` and gives
+each layer its part in `layer_data` (the cache's Layer.data).
 
 To add a policy: a class here and a line in POLICIES (README.md, "Add a rule").
 """

@@ -58,7 +58,8 @@ class LLM:
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
-        policies.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm). sinks / window: first /
+        policies.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm, triattention: it reads
+        statistics of the model that `python eval.py calibrate --model DIR` measures). sinks / window: first /
         most recent tokens never evicted (default: the policy's own). prompt_compression: for prompts
         longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
         allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise).
