@@ -123,6 +123,9 @@ def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, d
     from generate import pick_device
     from model import load, resolve
     folder = resolve(model_name)
+    if out is not None and Path(folder).resolve() in Path(out).resolve().parents:
+        raise ValueError(f"--out {out} is inside the model's folder, which stays as it came: write elsewhere, or "
+                         f"leave --out out (the cache folder, where the policy looks)")
     device, dtype = pick_device(device, dtype)
     model, tokenizer = load(folder, device, dtype)
     ids = tokenizer.encode(text)

@@ -3,6 +3,7 @@ means of the queries transformers computes, it writes where the policy looks (ne
 and a model without statistics, or with another model's, is refused in one line that says what to run. (Its
 score against the authors' formula: tests/test_rules.py; with every other rule through the engine:
 test_cache.py, test_generate.py, test_ladder.py.)"""
+import re
 import shutil
 
 import pytest
@@ -114,3 +115,16 @@ def test_the_statistics_a_layer_reads_are_those_of_its_own_layer_and_heads(check
         assert set(layer.data) == set(want) and all(torch.equal(layer.data[k], want[k]) for k in want)
     saved = load_file(calibration.default_path(calibration.fingerprint(checkpoints["llama"])))
     assert torch.equal(stats.q_mean, saved["q_mean"]) and torch.equal(stats.inv_freq, llm.model.inv_freq)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "600"], "--tokens 600: the text has .* tokens and the model reads at most 512 positions"),
+    (["--text", "missing.txt"], "cannot read missing.txt"),
+    (["--out", "{model}/stats.safetensors"], "is inside the model's folder"),
+])
+def test_bad_calibration_input_is_one_line(checkpoints, capsys, args, message):
+    folder = str(checkpoints["qwen3"])
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["calibrate", "--model", folder, "--device", "cpu", *(a.format(model=folder) for a in args)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and re.search(message, err), err
