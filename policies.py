@@ -510,8 +510,8 @@ def tri_layer_data(stats: calibration.QueryStats, index: int) -> dict[str, torch
     imaginary as a query is laid out), "tri_weight" [H_q, F] and "tri_freq" [F] (w), fp32."""
     qbar = torch.view_as_complex(stats.q_mean[index].double().contiguous())  # [H_q, F]
     w = stats.inv_freq.double()  # [F]
-    ahead = torch.exp(1j * torch.tensor(TRI_OFFSETS, dtype=torch.float64)[:, None] * w).mean(0)  # [F]
-    u = TRI_ATTENTION_SCALING ** 2 * qbar * ahead
+    offsets_mean = torch.exp(1j * torch.tensor(TRI_OFFSETS, dtype=torch.float64)[:, None] * w).mean(0)  # [F]
+    u = TRI_ATTENTION_SCALING ** 2 * qbar * offsets_mean
     weight = TRI_ATTENTION_SCALING ** 2 * (stats.q_abs_mean[index].double() - qbar.abs())
     return {"tri_query": torch.cat((u.real, u.imag), -1).float(), "tri_weight": weight.float(),
             "tri_freq": stats.inv_freq.float()}
@@ -528,10 +528,10 @@ def triattention_score(c, t0, protected):
     angle = t0.double()[:, None, None] * c.data["tri_freq"].double()  # [B, 1, F], in fp64: t0 w runs to thousands
     cos, sin = angle.cos().float(), angle.sin().float()
     ur, ui = u.chunk(2, -1)  # [H_q, F]
-    ahead = torch.cat((ur * cos - ui * sin, ur * sin + ui * cos), -1)  # [B, H_q, D]: u turned by RoPE to t0
+    query = torch.cat((ur * cos - ui * sin, ur * sin + ui * cos), -1)  # [B, H_q, D]: u turned by RoPE to t0
     k = c.k.float()
     kr, ki = k.chunk(2, -1)  # [B, H_kv, S, F]
-    raw = ahead.view(B, H, G, D) @ k.transpose(-1, -2) + \
+    raw = query.view(B, H, G, D) @ k.transpose(-1, -2) + \
         weight.view(H, G, -1) @ torch.hypot(kr, ki).transpose(-1, -2)  # [B, H_kv, G, S]
     scored = ((c.pos >= 0) & ~protected)[:, :, None]  # [B, H_kv, 1, S]
     n = scored.sum(-1, keepdim=True).clamp(min=1)
