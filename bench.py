@@ -42,10 +42,11 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line, no tra
 import torch
 import torch.nn.functional as F
 
+import calibration
 import fp8
 import kernel
 from cache import KV_DTYPES, KVCache, Layer
-from policies import POLICIES, KernelPolicy, RecentQueries, resolve_policy
+from policies import POLICIES, KernelPolicy, RecentQueries, TriAttention, resolve_policy
 from eval import ProgressBar, interrupted  # the live bar of eval.py (tqdm, when installed); Ctrl-C's one line
 from generate import Engine, pick_device, sync_time
 from memory import PREFILL_TOKENS, batch_that_fits, device_free_bytes, pick_batch
@@ -284,6 +285,14 @@ def has_fp8_weights(model) -> bool:
     return isinstance(model.model.layers[0].mlp.down_proj, fp8.Fp8Linear)
 
 
+def ready(policy, model):
+    """The policy ready for model (Policy.for_model). On random weights (--shape) TriAttention has no calibrated
+    statistics: it is timed with random ones of the model's shapes, which its step costs the same with."""
+    if isinstance(policy, TriAttention) and model.folder is None:
+        return replace(policy, stats=calibration.random_stats(model.cfg))
+    return policy.for_model(model)
+
+
 class StepTimer:
     """The engine's own compiled, graph-captured decode step for one (policy, batch, slots); times its
     replays with the cache filled to any length. Only data changes between fills, so one capture serves."""
@@ -294,7 +303,7 @@ class StepTimer:
         self.device, self.dtype = model.inv_freq.device, model.model.norm.weight.dtype
         reset_peak(self.device)
         # the full cache has no budget: its slots are simply room for every token
-        resolved = resolve_policy(policy, None if policy == "full" else slots)
+        resolved = ready(resolve_policy(policy, None if policy == "full" else slots), model)
         self.cache = KVCache(model.cfg, batch, slots, self.device, self.dtype, resolved, kv_dtype=self.kv_storage,
                              tp=model.tp)
         self.state = State.empty(batch, self.device)

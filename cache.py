@@ -9,7 +9,7 @@ not matter and a token can be written anywhere. Every decode step, every layer:
     3. `next_slot` = the lowest empty slot, else the slot the policy ranks lowest (policies.py).
 With policy "full" the cache has room for every token and slots simply fill in order.
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -35,6 +35,8 @@ class Layer:
     kept: dict[str, torch.Tensor]  # what the policy keeps, by name (Policy.keeps)
     index: torch.Tensor  # [] int64 the layer number (the random policy hashes it)
     heads: torch.Tensor  # [H_kv] int64 the KV heads' numbers in the whole model (tensor parallel: this rank's)
+    data: dict[str, torch.Tensor] = field(default_factory=dict)  # the policy's data of this model's layer, the same
+    # for every row and never written (Policy.layer_data)
     ROWS: ClassVar = ("k", "v", "k_scale", "v_scale", "v_top", "pos", "next_slot", "kept")  # per row (step.first_rows)
 
 
@@ -72,18 +74,21 @@ class KVCache:
                      kept={name: kept.alloc(cfg, batch, slots, device, dtype)
                            for name, kept in self.policy.keeps.items()},
                      index=torch.tensor(index, device=device),
-                     heads=torch.arange(cfg.n_kv_heads, device=device) + self.tp.rank * cfg.n_kv_heads)
+                     heads=torch.arange(cfg.n_kv_heads, device=device) + self.tp.rank * cfg.n_kv_heads,
+                     data=self.policy.layer_data(index, device))
 
     @staticmethod
     def bytes_needed(cfg, batch: int, slots: int, dtype, policy: Policy | None = None,
                      kv_dtype: torch.dtype | None = None) -> int:
         """K and V (in kv_dtype, default dtype; FP8 with its two fp32 scales a slot and v_top a KV head), the int32
-        position and what the policy keeps (policy None: the most any policy keeps, for sizing a batch)."""
+        position, what the policy keeps and its data of each layer (policy None: the most any policy keeps, for sizing
+        a batch)."""
         fp8 = kv_dtype == kernel.FP8
         per_slot = 2 * cfg.head_dim * (kv_dtype or dtype).itemsize + 4 + 8 * fp8
-        kept = lambda p: sum(k.bytes_per_row(cfg, slots, dtype) for k in p.keeps.values())
+        kept = lambda p: batch * sum(k.bytes_per_row(cfg, slots, dtype) for k in p.keeps.values()) + \
+            p.layer_data_bytes(cfg)
         kept_bytes = kept(policy) if policy is not None else max(map(kept, POLICIES.values()))
-        return cfg.n_layers * batch * (cfg.n_kv_heads * (slots * per_slot + 4 * fp8) + kept_bytes)
+        return cfg.n_layers * (batch * cfg.n_kv_heads * (slots * per_slot + 4 * fp8) + kept_bytes)
 
     def reset(self, rows=None):
         """Empty the cache, or only rows `rows` [n] (a server's free rows, which keep decoding junk). Rows are

@@ -399,8 +399,8 @@ def needle_kept(llm, conv: list[dict], item: dict, ids: list[int] | None = None)
         raise ValueError("needle_kept: the prompt's ids are not those of its rendered conversation")
     T, tensor = len(enc.ids), lambda data: torch.tensor(data, device=llm.device)
     full = llm.budget is None or not llm.policy.evicts  # as generation does: room for every token
-    cache = KVCache(llm.model.cfg, 1, T + 1 if full else llm.budget, llm.device, llm.dtype, llm.policy,
-                    llm.prompt_rule, llm.engine.kv_dtype, llm.model.tp)
+    cache = KVCache(llm.model.cfg, 1, T + 1 if full else llm.budget, llm.device, llm.dtype,
+                    llm.engine.for_model(llm.policy), llm.prompt_rule, llm.engine.kv_dtype, llm.model.tp)
     llm.model(tensor([enc.ids]), tensor([list(range(T))]), cache, rows=tensor([0]), last=tensor([T - 1]))
     rows = [set(row) for layer in cache.layers for row in layer.pos[0].tolist()]  # L x H_kv sets of positions
     share = sum(wanted <= row for row in rows) / len(rows)
@@ -1061,6 +1061,37 @@ def fidelity_runs(specs: list[str], full_runs: bool = False) -> list[tuple[str, 
     return runs
 
 
+# ---------------------------------------------------------------------------------------------
+# TriAttention's calibration: the statistics of a model's queries (calibration.py).
+
+def calibrate_main(argv):
+    from cli import Parser, positive_int
+    p = Parser(prog="eval.py calibrate", description="Measure the statistics of a model's queries that policy "
+               "triattention scores with (one prefill over a plain text) and write them where it finds them.")
+    p.add_argument("--model", required=True, help="Hugging Face id or local folder")
+    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped Rust book chapters, "
+                   "data/rust_book.jsonl, joined)")
+    p.add_argument("--tokens", type=positive_int, default=None, help="how many tokens of the text to read "
+                   "(default: all, at most 32768 and the model's max_position_embeddings)")
+    p.add_argument("--out", default=None, help="the file to write (default: the cache folder, "
+                   "$TINYFLOW_CACHE or ~/.cache/tinyflow, under triattention/ by the model's fingerprint: where the "
+                   "policy looks)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    args = p.parse_args(argv)
+    if launched():
+        raise ValueError("eval.py calibrate runs in one process; start it without torchrun")
+    if args.text is None:
+        name, text = "data/rust_book.jsonl", "\n\n".join(row["text"] for _, row in json_lines(
+            RUST_BOOK, read_text(RUST_BOOK), "restore the file"))
+    else:
+        name, text = args.text, read_text(Path(args.text))
+    import calibration
+    path, n = calibration.calibrate(args.model, text, args.tokens, args.out, args.device, args.dtype, name)
+    print(f"calibrate: wrote {path}, the query statistics of {args.model} over {n} tokens of {name}")
+
+
 def read_json(path: Path) -> dict | None:
     """A result file's content, or None if it is missing or was cut off (then it is simply redone)."""
     try:
@@ -1077,7 +1108,8 @@ def write_atomically(path: Path, text: str):
 
 
 def main(argv=None):
-    """`eval.py [options]`: accuracy on a benchmark; `eval.py fidelity [options]`: fidelity to the full cache.
+    """`eval.py [options]`: accuracy on a benchmark; `eval.py fidelity [options]`: fidelity to the full cache;
+    `eval.py calibrate [options]`: TriAttention's statistics of a model's queries.
     Bad input is one line on stderr and exit status 2, as argparse reports a bad option."""
     argv = sys.argv[1:] if argv is None else argv
     if not rank0():  # under torchrun rank 0 alone prints (and writes the results)
@@ -1085,6 +1117,8 @@ def main(argv=None):
     try:
         if argv[:1] == ["fidelity"]:
             fidelity_main(argv[1:])
+        elif argv[:1] == ["calibrate"]:
+            calibrate_main(argv[1:])
         else:
             run_main(parse_args(argv))
     except (ValueError, OSError, ImportError) as e:

@@ -195,6 +195,7 @@ class Engine:
         self.model, self.compile, self.sync_every = model, compile, sync_every
         self.allow_long_context, self.kv_dtype = allow_long_context, kv_dtype
         self.key = self.stepper = self.cache = self.state = self.mode = None  # of the last batch shape
+        self.ready = {}  # each policy run, ready for this model (Policy.for_model: what it needs of it, loaded once)
         self.held_bytes = 0  # GPU memory they hold (memory.free_bytes)
         self.prefill_block = None  # the prefill's layers compiled (serve), else they run eagerly
         self.prefill_graphs = None  # serve on CUDA: small groups' compiled prefill replayed (step.PrefillGraphs)
@@ -257,6 +258,7 @@ class Engine:
             raise ValueError(f"batch_size must be a positive integer, or None for as many as fit; got {batch_size!r}")
         if not isinstance(policy, Policy):
             policy = resolve_policy(policy, budget, prompt_rule=prompt_rule)
+        policy = self.for_model(policy)
         if (budget is None) == policy.evicts:
             raise ValueError(f"policy {policy.name!r} and budget {budget} do not go together: an "
                              f"evicting policy needs a budget, the full policy takes none")
@@ -312,6 +314,12 @@ class Engine:
                              f"{limit} (RoPE beyond its trained context gives garbage); shorten them, or allow it "
                              f"explicitly (--allow-long-context, LLM(allow_long_context=True))")
 
+    def for_model(self, policy: Policy) -> Policy:
+        """The policy with what it needs of this engine's model (its statistics, for TriAttention), made once."""
+        if policy not in self.ready:
+            self.ready[policy] = policy.for_model(self.model)
+        return self.ready[policy]
+
     def _prepare(self, batch, slots, policy, prompt_rule, mode):
         """Reuse the cache, buffers and captured graph when the shape and policy repeat. mode: "sample", or
         teacher forcing's (continuation buffer length, keep_dists)."""
@@ -341,7 +349,7 @@ class Engine:
         policy, room for the longest request the feed will give). The feed also says
         which requests to stop early (feed.stopped(i)) and is given each one's tokens (feed.progress(i, ids)
         at every sync, feed.finished(i, ids) at its end)."""
-        self._prepare(batch_size, slots, policy, prompt_rule, "sample")
+        self._prepare(batch_size, slots, self.for_model(policy), prompt_rule, "sample")
         self._compile_prefill()
         requests = FedRequests(feed)
         yield from self._run(Progress(requests.outs), requests)

@@ -308,6 +308,7 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, len(range(cfg.vocab_size)[self.vocab_part]), bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg, "cpu"), persistent=False)
+        self.folder = None  # the checkpoint folder load() read it from (None: made otherwise)
 
     def forward(self, tokens, positions, cache: KVCache, rows=None, last=None, run_block=Block.__call__):
         """tokens, positions: [B, T] (position -1 marks padding). Decodes one token per cache row, or, with
@@ -752,4 +753,5 @@ def load(name: str, device, dtype, tp: Group = SINGLE, weights: str = "auto") ->
     load_weights(model, folder, device, dtype)
     if fp8_weights and not cfg.fp8_blocks:
         fp8.convert(model, quantize=True)
+    model.folder = folder  # a policy that needs data of this model's own finds it by the checkpoint (Policy.for_model)
     return model, tokenizer

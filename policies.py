@@ -15,7 +15,9 @@ one the next token overwrites. Empty slots always go first, and the policy's pro
 A rule the fused kernel scores (KernelPolicy) declares instead, as data, what the kernel scores it by
 (`scoring`, a kernel.Scoring): the kernel attends and decides in one pass, and what it keeps follows from
 that. The prompt's attention seeds a kept state (`prompt_seed`: H2O, VATP, LongFlow-EMA), and a prompt longer
-than the budget is cut by SnapKV, StreamingLLM, or the policy's own score over the prompt (PROMPT_RULES).
+than the budget is cut by SnapKV, StreamingLLM, or the policy's own score over the prompt (PROMPT_RULES). A rule that
+needs data of the model's own (TriAttention: statistics of its queries) loads it in `for_model(model)` and gives
+each layer its part in `layer_data` (the cache's Layer.data).
 
 To add a policy: a class here and a line in POLICIES (README.md, "Add a rule").
 """
@@ -26,6 +28,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
+import calibration
 import kernel
 from parallel import SINGLE, Group
 
@@ -237,6 +240,20 @@ class Policy:
         """What the prompt's own attention gives each of its tokens [R, H_kv, T] (Accumulated's start),
         or None."""
         return None
+
+    # a rule that needs data of the model's own (TriAttention: statistics of its queries) gets it here
+    def for_model(self, model) -> "Policy":
+        """This policy ready to run with model (a model.Transformer): what it needs of the model's own is loaded
+        and checked here (the engine does it once per policy); the others need nothing."""
+        return self
+
+    def layer_data(self, index: int, device) -> dict[str, torch.Tensor]:
+        """Its data of layer `index`, the same for every row and never written (the cache's Layer.data)."""
+        return {}
+
+    def layer_data_bytes(self, cfg) -> int:
+        """The bytes of layer_data, one layer's (the memory planner counts them)."""
+        return 0
 
     def prompt_score(self, layer, q, k, v, pos, seed):
         """Its score over a prompt seen as the cache (prompt compression "decode"): what it keeps is
@@ -550,6 +567,80 @@ def lazy_importance(last, mp, now):
     since = (now[:, None, None] - last).float()
     mp = mp.float()
     return 2 / (1 + torch.exp(1 + since / (mp + 1e-5))) + (mp > 0) * 2 / (1 + torch.exp(mp - 1))
+# TriAttention (WeianMao/triattention): the query positions its score looks ahead to, t0 + 1, 2, 4, ..., 65536
+# (pruning_utils.py's offsets), and the attention scaling its statistics are weighted by squared (HF's
+# attention_scaling: 1 for plain and llama3 RoPE, the only ones tinyflow runs)
+TRI_OFFSETS = tuple(2 ** i for i in range(17))
+TRI_ATTENTION_SCALING = 1.0
+
+
+@dataclass(frozen=True)
+class TriAttention(Policy):
+    """TriAttention (Mao et al. 2026), one eviction per step, per KV head: each slot's key is scored against
+    the model's mean query (calibration.py's statistics of this model, `eval.py calibrate`) as if it came at the
+    next position plus each of TRI_OFFSETS, averaged, plus how much the queries' magnitude strays from their
+    mean; z-scored per query head over the slots that can go, then the maximum over the KV head's query group
+    (triattention_score). The most recent 6.25% of the budget stay (its vLLM plugin's 128 of 2,048)."""
+    per_head: bool = True
+    stats: calibration.QueryStats | None = None  # this model's (for_model), under tensor parallel this rank's heads
+    window_share = 0.0625
+
+    def for_model(self, model):
+        return self if self.stats is not None else replace(self, stats=calibration.load_for(model))
+
+    def layer_data(self, index, device):
+        if self.stats is None:
+            raise ValueError("policy triattention has no statistics of the model's queries: make it ready for the "
+                             "model first (Policy.for_model; the engine does)")
+        return {name: t.to(device) for name, t in tri_layer_data(self.stats, index).items()}
+
+    def layer_data_bytes(self, cfg):
+        F = cfg.head_dim // 2
+        return 4 * (cfg.n_heads * (cfg.head_dim + F) + F)  # tri_layer_data's fp32 tensors
+
+    def score(self, c, q, now):
+        return triattention_score(c, now + 1, kernel.protected_mask(c.pos, self.n_sink, self.window))
+
+
+def tri_layer_data(stats: calibration.QueryStats, index: int) -> dict[str, torch.Tensor]:
+    """TriAttention's score as one vector per query head, from layer `index`'s statistics (mean query qbar_hf,
+    mean magnitude A_hf, frequencies w_f; s = TRI_ATTENTION_SCALING). The authors' score of a key k
+    (pairs k_f = k[f] + i k[f + D/2], after RoPE) at next position t0,
+        mean over d in TRI_OFFSETS of sum_f s^2 Re(qbar_hf conj(k_f) e^{i (t0 + d) w_f})
+          + sum_f s^2 (A_hf - |qbar_hf|) |k_f|,
+    is linear in k but for the magnitudes: <k, RoPE at t0 of u_h> + sum_f weight_hf |k_f|, where
+    u_hf = s^2 qbar_hf mean_d e^{i d w_f}. Returns "tri_query" [H_q, D] (u before RoPE, real parts then
+    imaginary as a query is laid out), "tri_weight" [H_q, F] and "tri_freq" [F] (w), fp32."""
+    qbar = torch.view_as_complex(stats.q_mean[index].double().contiguous())  # [H_q, F]
+    w = stats.inv_freq.double()  # [F]
+    offsets_mean = torch.exp(1j * torch.tensor(TRI_OFFSETS, dtype=torch.float64)[:, None] * w).mean(0)  # [F]
+    u = TRI_ATTENTION_SCALING ** 2 * qbar * offsets_mean
+    weight = TRI_ATTENTION_SCALING ** 2 * (stats.q_abs_mean[index].double() - qbar.abs())
+    return {"tri_query": torch.cat((u.real, u.imag), -1).float(), "tri_weight": weight.float(),
+            "tri_freq": stats.inv_freq.float()}
+
+
+def triattention_score(c, t0, protected):
+    """TriAttention's score of every slot of layer c at next positions t0 [B] (tri_layer_data's form): per query
+    head h, raw_h = k . RoPE(u_h, t0) + sum_f weight_hf |k_f|, then z_h = (raw_h - mean) / std over the slots
+    held and not protected (the population std, at least 1e-6), and the maximum of z_h over the KV head's query
+    group: [B, H_kv, S]. protected: [B, H_kv, S]."""
+    B, H, S, D = c.k.shape
+    u, weight = c.data["tri_query"], c.data["tri_weight"]  # [H_q, D], [H_q, F]
+    G = u.shape[0] // H
+    angle = t0.double()[:, None, None] * c.data["tri_freq"].double()  # [B, 1, F], in fp64: t0 w runs to thousands
+    cos, sin = angle.cos().float(), angle.sin().float()
+    ur, ui = u.chunk(2, -1)  # [H_q, F]
+    query = torch.cat((ur * cos - ui * sin, ur * sin + ui * cos), -1)  # [B, H_q, D]: u turned by RoPE to t0
+    k = c.k.float()
+    kr, ki = k.chunk(2, -1)  # [B, H_kv, S, F]
+    raw = query.view(B, H, G, D) @ k.transpose(-1, -2) + \
+        weight.view(H, G, -1) @ torch.hypot(kr, ki).transpose(-1, -2)  # [B, H_kv, G, S]
+    scored = ((c.pos >= 0) & ~protected)[:, :, None]  # [B, H_kv, 1, S]
+    n = scored.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(scored, raw, 0.0).sum(-1, keepdim=True) / n
+    std = (torch.where(scored, raw - mean, 0.0).square().sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-6)
+    return ((raw - mean) / std).amax(2)
 
 
 POLICIES = {
@@ -567,6 +658,7 @@ POLICIES = {
     "random": Random(),
     "knorm": KNorm(),
     "lazy": Lazy(),
+    "triattention": TriAttention(),
 }
 POLICIES = {name: replace(p, name=name) for name, p in POLICIES.items()}
 

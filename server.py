@@ -339,8 +339,8 @@ class Server:
     def __init__(self, llm_model, tokenizer, engine: Engine, args):
         self.model, self.tok, self.engine, self.args = llm_model, tokenizer, engine, args
         self.name = args.served_model_name or args.model
-        self.policy = resolve_policy(args.policy, args.budget, args.sinks, args.window,
-                                     args.prompt_compression or "snapkv")
+        self.policy = engine.for_model(resolve_policy(args.policy, args.budget, args.sinks, args.window,
+                                                      args.prompt_compression or "snapkv"))
         cfg = llm_model.cfg
         self.context = args.max_model_len or cfg.max_position_embeddings or 32768
         self.slots = args.budget or self.context  # the full policy: room for the longest request

@@ -17,7 +17,8 @@ def check_own_modules():
     of the same name earlier on sys.path (a model.py in the current folder, say) would be imported in their place,
     and an install older than one of them does not find it at all."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli", "parallel"):
+    for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli",
+                 "parallel", "calibration"):
         spec = importlib.util.find_spec(name)
         if spec is None:  # an editable install made before this module existed does not map it
             clone = os.path.dirname(os.path.realpath(__file__))  # a strict editable install links the clone's files
@@ -60,7 +61,8 @@ class LLM:
         """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
         to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
-        policies.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm). sinks / window: first /
+        policies.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm, triattention: it reads
+        statistics of the model that `python eval.py calibrate --model DIR` measures). sinks / window: first /
         most recent tokens never evicted (default: the policy's own). prompt_compression: for prompts
         longer than the budget, "snapkv", "streaming", or "decode" (the policy's own rule).
         allow_long_context: let sequences run past the model's max_position_embeddings (refused otherwise).
@@ -81,6 +83,7 @@ class LLM:
         self.engine = Engine(self.model, compile=compile, allow_long_context=allow_long_context,
                              kv_dtype=KV_DTYPES[kv_dtype])
         self.engine.check_budget(budget)  # (set_policy's later budgets: when generate or score runs)
+        self.engine.for_model(self.policy)  # a policy that needs data of this model (its statistics) is refused now
         self.stats: Stats | None = None  # the last call's statistics (after Ctrl-C: of what was generated)
 
     def set_policy(self, budget: int | None, policy: str | None = None, sinks: int | None = None,

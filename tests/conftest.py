@@ -150,12 +150,27 @@ def write_fp8_checkpoint(src, dst, dequantized, factor_dtype=torch.bfloat16):
     return dst
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tinyflow_cache(tmp_path_factory):
+    """tinyflow's cache folder (TriAttention's statistics, calibration.py): the session's own, never the user's;
+    the processes the tests start use it too."""
+    before = os.environ.get("TINYFLOW_CACHE")
+    os.environ["TINYFLOW_CACHE"] = str(tmp_path_factory.mktemp("tinyflow-cache"))
+    yield os.environ["TINYFLOW_CACHE"]
+    os.environ.pop("TINYFLOW_CACHE") if before is None else os.environ.update(TINYFLOW_CACHE=before)
+
+
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, tinyflow_cache):
+    """The tiny checkpoints, each calibrated (its query statistics in the session's cache: every policy runs)."""
+    import calibration
     root = tmp_path_factory.mktemp("ckpt")
-    return {"qwen3": write_checkpoint(root / "qwen3", "qwen3"),
-            "qwen2": write_checkpoint(root / "qwen2", "qwen2"),
-            "llama": write_checkpoint(root / "llama", "llama", max_shard_size="100KB")}
+    folders = {"qwen3": write_checkpoint(root / "qwen3", "qwen3"),
+               "qwen2": write_checkpoint(root / "qwen2", "qwen2"),
+               "llama": write_checkpoint(root / "llama", "llama", max_shard_size="100KB")}
+    for folder in folders.values():
+        calibration.calibrate(str(folder), " ".join(CORPUS), device="cpu")
+    return folders
 
 
 @pytest.fixture(scope="session")

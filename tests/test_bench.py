@@ -384,7 +384,9 @@ def test_a_filled_cache_keeps_what_each_policy_computes_from_its_slots(kv_dtype)
     from model import Config
     from policies import POLICIES, Accumulated, KeySum, PerSlot
     cfg = Config.from_dict(bench_module.SHAPES["tiny"])
+    model = bench_module.random_model(cfg, "cpu", torch.bfloat16)  # (TriAttention: random statistics, bench.ready)
     for name, policy in POLICIES.items():
+        policy = bench_module.ready(policy, model)
         cache = KVCache(cfg, 20, 48, "cpu", torch.bfloat16, policy, kv_dtype=kv_dtype)
         bench_module.fill_cache(cache, 40)
         for layer in cache.layers:

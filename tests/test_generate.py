@@ -34,7 +34,8 @@ def cli(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("policy", ["longflow", "rkv"])  # the kernel's rule; the heaviest rule scored in PyTorch
+# the kernel's rule; the heaviest rule scored in PyTorch; the rule with data of the model's own (Layer.data)
+@pytest.mark.parametrize("policy", ["longflow", "rkv", "triattention"])
 def test_compiled_step_never_recompiles_and_matches_eager(checkpoints, policy):
     model, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
     prompts = [tok.encode("Hello world"), tok.encode("The quick brown fox jumps"), tok.encode("Hello")]

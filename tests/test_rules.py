@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from calibration import QueryStats
 from cache import KVCache
 from policies import POLICIES, RecentQueries, hash32, resolve_policy
 
@@ -83,6 +84,41 @@ def snapkv_decode_formula(k, v, pos, q, now, recent, layer):
     logits = torch.einsum("bhgwd,bhsd->bhgws", recent.view(B, H_KV, -1, W, D), k) / math.sqrt(D)
     seen = (pos[:, :, None, None, :] >= 0) & (pos[:, :, None, None, :] <= asked[:, None, None, :, None])
     return logits.masked_fill(~seen, -math.inf).softmax(-1).nan_to_num(0).sum(3).mean(2)
+# TriAttention scores with statistics of the model's queries (calibration.py): random ones here, each pair's mean
+# magnitude above the magnitude of its mean (as a mean of magnitudes is), RoPE's frequencies for theta 10^4
+_gen = torch.Generator().manual_seed(7)
+_q_mean = torch.randn(1, H_Q, D // 2, 2, generator=_gen)
+TRI_STATS = QueryStats(_q_mean, _q_mean.norm(dim=-1) + torch.rand(1, H_Q, D // 2, generator=_gen),
+                       1e4 ** -(torch.arange(0, D, 2) / D))
+
+
+@pytest.fixture(autouse=True)
+def triattention_with_statistics(monkeypatch):
+    """The registered triattention, ready for a model: with TRI_STATS (an engine loads a model's own)."""
+    monkeypatch.setitem(POLICIES, "triattention", replace(POLICIES["triattention"], stats=TRI_STATS))
+
+
+def triattention_formula(k, v, pos, q, now, recent, layer):
+    """TriAttention: per query head h, with key pairs k_f = k[f] + i k[f + D/2], the statistics' mean query qbar_hf,
+    mean magnitude A_hf, frequencies w_f, and t0 = now + 1 (the next token's position),
+      raw_h = 1/17 sum over d in 1, 2, 4, ..., 65536 of sum_f Re(qbar_hf conj(k_f) e^{i (t0 + d) w_f})
+              + sum_f (A_hf - |qbar_hf|) |k_f|,
+    in fp64; z-scored over the held slots outside the recent window (4 = 6.25% of 64), population std; then the
+    maximum over the KV head's query group."""
+    F = D // 2
+    qbar = torch.view_as_complex(TRI_STATS.q_mean[0].double()).view(1, H_KV, -1, 1, F)  # [1, H_kv, G, 1, F]
+    A = TRI_STATS.q_abs_mean[0].double().view(1, H_KV, -1, 1, F)
+    w = TRI_STATS.inv_freq.double()
+    kf = torch.complex(k[..., :F].double(), k[..., F:].double())[:, :, None]  # [B, H_kv, 1, S, F]
+    t0 = (now + 1).double()[:, None, None, None, None]
+    offsets = [2 ** i for i in range(17)]
+    trig = sum((qbar * kf.conj() * torch.exp(1j * (t0 + d) * w)).real.sum(-1) for d in offsets) / len(offsets)
+    raw = trig + ((A - qbar.abs()) * kf.abs()).sum(-1)  # [B, H_kv, G, S]
+    scored = ((pos >= 0) & (pos <= now[:, None, None] - 4))[:, :, None]
+    n = scored.sum(-1, keepdim=True)
+    mean = (raw * scored).sum(-1, keepdim=True) / n
+    std = (((raw - mean) * scored) ** 2).sum(-1, keepdim=True).div(n).sqrt()
+    return ((raw - mean) / std).amax(2).float()
 
 
 SPECS = {
@@ -117,6 +153,8 @@ SPECS = {
     # the budget stay, the authors' W = 175 at C = 1492
     "lazy": Spec(lambda k, v, pos, q, now, recent, layer: lazy_formula(pos, now, layer), per_head=True,
                  window=int(S * 175 / 1492)),
+    # TriAttention: the calibrated mean query's attention at offsets ahead, z-scored, max over the group
+    "triattention": Spec(triattention_formula, per_head=True, window=4),
 }
 
 
@@ -294,7 +332,7 @@ def test_the_memory_planner_counts_exactly_what_the_cache_allocates(name):
         cache = KVCache(CFG, B, S, "cpu", torch.float32, p, kv_dtype=kv_dtype)
         c = cache.layers[0]
         scales = (c.k_scale, c.v_scale, c.v_top) if kv_dtype else ()
-        tensors = (c.k, c.v, c.pos, *scales, *c.kept.values())
+        tensors = (c.k, c.v, c.pos, *scales, *c.kept.values(), *c.data.values())
         assert KVCache.bytes_needed(CFG, B, S, torch.float32, p, kv_dtype) == \
             sum(t.numel() * t.element_size() for t in tensors)
 

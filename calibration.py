@@ -1,0 +1,192 @@
+"""TriAttention's calibration: the statistics of a model's queries that its eviction score reads.
+
+For every layer, attention head and RoPE frequency pair f (the complex number q[f] + i q[f + D/2], RoPE's
+"rotate half" layout, which turns it by e^{i p w_f} at position p), the mean over a text's tokens of the query
+before RoPE (after Qwen3's q_norm: what multiplies the cached keys) and the mean of its magnitude:
+
+    q_mean     [L, H, F, 2] fp32   the mean complex query (real, imaginary)
+    q_abs_mean [L, H, F]    fp32   the mean |query| per pair
+
+`python eval.py calibrate --model DIR` measures them in one prefill over a plain text and writes them, with what
+identifies the model (its shapes, RoPE and a fingerprint of its weights), to a cache folder: never into the
+model's folder. A policy that reads them (policies.TriAttention) finds them there by the fingerprint.
+"""
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+FORMAT = "tinyflow-triattention-1"
+CALIBRATE = "python eval.py calibrate --model {}"  # what a refusal tells to run
+FINGERPRINT_ROWS = 16  # rows of layer 0's q_proj weight, as stored, that identify a checkpoint
+
+
+@dataclass(eq=False, repr=False)
+class QueryStats:
+    """A model's query statistics (module docstring) and its RoPE frequencies w_f [F] (model.rope_frequencies:
+    the model's own, llama3 scaling included). Compared by identity (a policy holding them is a dict key)."""
+    q_mean: torch.Tensor  # [L, H, F, 2] fp32
+    q_abs_mean: torch.Tensor  # [L, H, F] fp32
+    inv_freq: torch.Tensor  # [F] fp32
+
+    def __repr__(self):
+        return f"QueryStats({list(self.q_abs_mean.shape)})"
+
+
+# ---- which model: the fingerprint, and where its statistics live ----------------------------------------
+def fingerprint(folder) -> str:
+    """16 hex digits of the SHA-256 of layer 0's q_proj weight's first rows as the checkpoint stores them
+    (dtype, shape and bytes): the same for any dtype, device or tensor-parallel split it is loaded in."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    index = Path(folder) / "model.safetensors.index.json"
+    file = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
+    try:
+        with safe_open(str(Path(folder) / file), framework="pt") as f:
+            stored = f.get_slice(name)
+            rows = stored[:FINGERPRINT_ROWS].contiguous()
+            shape, dtype = stored.get_shape(), stored.get_dtype()
+    except (OSError, SafetensorError, KeyError) as e:
+        raise ValueError(f"cannot read {name} from {folder} to identify the model ({e})") from None
+    digest = hashlib.sha256(f"{name} {dtype} {shape}".encode())
+    digest.update(rows.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_folder() -> Path:
+    """$TINYFLOW_CACHE, else $XDG_CACHE_HOME/tinyflow, else ~/.cache/tinyflow."""
+    if os.environ.get("TINYFLOW_CACHE"):
+        return Path(os.environ["TINYFLOW_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tinyflow"
+
+
+def default_path(fingerprint: str) -> Path:
+    return cache_folder() / "triattention" / f"{fingerprint}.safetensors"
+
+
+def identity(cfg, folder) -> dict[str, str]:
+    """What the statistics must agree on with the model that reads them (cfg: model.Config, the whole model's)."""
+    return {"format": FORMAT, "fingerprint": fingerprint(folder), "layers": str(cfg.n_layers),
+            "heads": str(cfg.n_heads), "head_dim": str(cfg.head_dim), "rope_theta": repr(float(cfg.rope_theta)),
+            "rope_scaling": json.dumps(cfg.rope_scaling, sort_keys=True)}
+
+
+# ---- measuring them -----------------------------------------------------------------------------------------
+def query_statistics(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill of `ids` through model (a model.Transformer), the queries of every layer taken before RoPE by a
+    hook that recomputes them from the attention's input (the decode step is left as it is). Returns q_mean
+    [L, H, F, 2] and q_abs_mean [L, H, F], fp32 (summed in fp64)."""
+    from cache import KVCache
+    cfg, T = model.cfg, len(ids)
+    sums = torch.zeros(cfg.n_layers, cfg.n_heads, cfg.head_dim // 2, 3, dtype=torch.float64)  # re, im, |q|
+
+    def add(i, attn, args):  # a forward pre-hook: returns None, so the layer runs on its own arguments
+        sums[i].add_(pair_sums(pre_rope_queries(attn, args[0])))
+    hooks = [block.self_attn.register_forward_pre_hook(lambda attn, args, i=i: add(i, attn, args))
+             for i, block in enumerate(model.model.layers)]
+    device = model.inv_freq.device
+    on_device = lambda *x: torch.tensor(x, device=device)
+    try:
+        with torch.no_grad():
+            cache = KVCache(cfg, 1, T + 1, device, model.model.norm.weight.dtype)  # the full cache: a plain prefill
+            model(on_device(ids), torch.arange(T)[None], cache, rows=on_device(0), last=on_device(T - 1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    means = (sums / T).float()
+    return means[..., :2].contiguous(), means[..., 2].contiguous()
+
+
+def pre_rope_queries(attn, x) -> torch.Tensor:
+    """The queries model.Attention makes of its input x [B, T, hidden], before RoPE: [B, T, H, D]."""
+    B, T, _ = x.shape
+    q = attn.qkv_proj(x)[..., :attn.sizes[0]].view(B, T, -1, attn.cfg.head_dim)
+    return attn.q_norm(q) if attn.cfg.qk_norm else q
+
+
+def pair_sums(q) -> torch.Tensor:
+    """Sums over the tokens of each frequency pair's real part, imaginary part and magnitude: q [1, T, H, D] ->
+    [H, F, 3] fp64."""
+    re, im = q[0].double().chunk(2, -1)  # [T, H, F]
+    return torch.stack((re, im, torch.hypot(re, im)), -1).sum(0)
+
+
+def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, device=None, dtype=None,
+              text_name: str = "") -> tuple[Path, int]:
+    """Measure the statistics of model_name (a folder or Hub id) over the first `tokens` tokens of text (None: as
+    many as it has, at most 32,768 as the authors read, and the model's max_position_embeddings) and write them to
+    out (default: the cache folder, by the model's fingerprint). Returns the path and the tokens read."""
+    from generate import pick_device
+    from model import load, resolve
+    folder = resolve(model_name)
+    if out is not None and Path(folder).resolve() in Path(out).resolve().parents:
+        raise ValueError(f"--out {out} is inside the model's folder, which stays as it came: write elsewhere, or "
+                         f"leave --out out (the cache folder, where the policy looks)")
+    device, dtype = pick_device(device, dtype)
+    model, tokenizer = load(folder, device, dtype)
+    ids = tokenizer.encode(text)
+    limit = model.cfg.max_position_embeddings or 32768
+    if tokens is not None and tokens > min(len(ids), limit):
+        raise ValueError(f"--tokens {tokens}: the text has {len(ids)} tokens and the model reads at most {limit} "
+                         f"positions; give fewer tokens or a longer text")
+    ids = ids[:tokens or min(32768, limit)]
+    q_mean, q_abs_mean = query_statistics(model, ids)
+    meta = identity(model.full_cfg, folder) | {"tokens": str(len(ids)), "text": text_name,
+                                                "queries": "after q_norm (Qwen3), before RoPE"}
+    path = Path(out) if out is not None else default_path(meta["fingerprint"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")  # complete or absent
+    save_file({"q_mean": q_mean, "q_abs_mean": q_abs_mean}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path, len(ids)
+
+
+def random_stats(cfg, seed: int = 0) -> QueryStats:
+    """Statistics of random values in cfg's shapes (model.Config: its layers, heads, RoPE), each pair's mean
+    magnitude above the magnitude of its mean as a real one is: for timing a step on random weights (bench.py)."""
+    from model import rope_frequencies
+    gen = torch.Generator().manual_seed(seed)
+    q_mean = torch.randn(cfg.n_layers, cfg.n_heads, cfg.head_dim // 2, 2, generator=gen)
+    q_abs_mean = q_mean.norm(dim=-1) + torch.rand(q_mean.shape[:-1], generator=gen)
+    return QueryStats(q_mean, q_abs_mean, rope_frequencies(cfg, "cpu"))
+
+
+# ---- reading them for a model --------------------------------------------------------------------------------
+def load_for(model) -> QueryStats:
+    """The statistics of `model` (a model.Transformer loaded by model.load), from the cache folder by its
+    fingerprint, checked against it; under tensor parallel this rank's heads. A missing file, or one made for
+    another model, is refused in one line that says what to run."""
+    folder = model.folder
+    if folder is None:
+        raise ValueError("policy triattention reads statistics of a checkpoint's queries: load the model from a "
+                         "checkpoint folder or Hub id")
+    want = identity(model.full_cfg, folder)
+    path = default_path(want["fingerprint"])
+    if not path.exists():
+        raise ValueError(f"policy triattention needs this model's query statistics ({path} is missing); run: "
+                         f"{CALIBRATE.format(folder)}")
+    tensors, meta = read(path)
+    wrong = [key for key, value in want.items() if meta.get(key) != value]
+    cfg = model.full_cfg
+    shape = [cfg.n_layers, cfg.n_heads, cfg.head_dim // 2]
+    if wrong or list(tensors["q_mean"].shape) != shape + [2] or list(tensors["q_abs_mean"].shape) != shape:
+        raise ValueError(f"{path} holds query statistics of another model ({', '.join(wrong) or 'shapes'} "
+                         f"differ); run: {CALIBRATE.format(folder)}")
+    heads = model.tp.part(cfg.n_heads)  # this rank's query heads
+    return QueryStats(tensors["q_mean"][:, heads], tensors["q_abs_mean"][:, heads], model.inv_freq.float().cpu())
+
+
+def read(path: Path) -> tuple[dict, dict]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot read {path} ({e}); delete it and calibrate again") from None
+    if set(tensors) != {"q_mean", "q_abs_mean"}:
+        raise ValueError(f"{path} is not a file of query statistics (it holds {sorted(tensors)}); delete it")
+    return {k: t.float() for k, t in tensors.items()}, meta
