@@ -289,7 +289,7 @@ def ready(policy, model):
     """The policy ready for model (Policy.for_model). On random weights (--shape) TriAttention has no calibrated
     statistics: it is timed with random ones of the model's shapes, which its step costs the same with."""
     if isinstance(policy, TriAttention) and model.folder is None:
-        return replace(policy, stats=calibration.random_stats(model.cfg))
+        return replace(policy, stats=calibration.random_stats(model.cfg, model.inv_freq))
     return policy.for_model(model)
 
 

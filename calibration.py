@@ -75,84 +75,23 @@ def identity(cfg, folder) -> dict[str, str]:
             "rope_scaling": json.dumps(cfg.rope_scaling, sort_keys=True)}
 
 
-# ---- measuring them -----------------------------------------------------------------------------------------
-def query_statistics(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One prefill of `ids` through model (a model.Transformer), the queries of every layer taken before RoPE by a
-    hook that recomputes them from the attention's input (the decode step is left as it is). Returns q_mean
-    [L, H, F, 2] and q_abs_mean [L, H, F], fp32 (summed in fp64)."""
-    from cache import KVCache
-    cfg, T = model.cfg, len(ids)
-    sums = torch.zeros(cfg.n_layers, cfg.n_heads, cfg.head_dim // 2, 3, dtype=torch.float64)  # re, im, |q|
-
-    def add(i, attn, args):  # a forward pre-hook: returns None, so the layer runs on its own arguments
-        sums[i].add_(pair_sums(pre_rope_queries(attn, args[0])))
-    hooks = [block.self_attn.register_forward_pre_hook(lambda attn, args, i=i: add(i, attn, args))
-             for i, block in enumerate(model.model.layers)]
-    device = model.inv_freq.device
-    on_device = lambda *x: torch.tensor(x, device=device)
-    try:
-        with torch.no_grad():
-            cache = KVCache(cfg, 1, T + 1, device, model.model.norm.weight.dtype)  # the full cache: a plain prefill
-            model(on_device(ids), torch.arange(T)[None], cache, rows=on_device(0), last=on_device(T - 1))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    means = (sums / T).float()
-    return means[..., :2].contiguous(), means[..., 2].contiguous()
-
-
-def pre_rope_queries(attn, x) -> torch.Tensor:
-    """The queries model.Attention makes of its input x [B, T, hidden], before RoPE: [B, T, H, D]."""
-    B, T, _ = x.shape
-    q = attn.qkv_proj(x)[..., :attn.sizes[0]].view(B, T, -1, attn.cfg.head_dim)
-    return attn.q_norm(q) if attn.cfg.qk_norm else q
-
-
-def pair_sums(q) -> torch.Tensor:
-    """Sums over the tokens of each frequency pair's real part, imaginary part and magnitude: q [1, T, H, D] ->
-    [H, F, 3] fp64."""
-    re, im = q[0].double().chunk(2, -1)  # [T, H, F]
-    return torch.stack((re, im, torch.hypot(re, im)), -1).sum(0)
-
-
-def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, device=None, dtype=None,
-              text_name: str = "") -> tuple[Path, int]:
-    """Measure the statistics of model_name (a folder or Hub id) over the first `tokens` tokens of text (None: as
-    many as it has, at most 32,768 as the authors read, and the model's max_position_embeddings) and write them to
-    out (default: the cache folder, by the model's fingerprint). Returns the path and the tokens read."""
-    from generate import pick_device
-    from model import load, resolve
-    folder = resolve(model_name)
-    if out is not None and Path(folder).resolve() in Path(out).resolve().parents:
-        raise ValueError(f"--out {out} is inside the model's folder, which stays as it came: write elsewhere, or "
-                         f"leave --out out (the cache folder, where the policy looks)")
-    device, dtype = pick_device(device, dtype)
-    model, tokenizer = load(folder, device, dtype)
-    ids = tokenizer.encode(text)
-    limit = model.cfg.max_position_embeddings or 32768
-    if tokens is not None and tokens > min(len(ids), limit):
-        raise ValueError(f"--tokens {tokens}: the text has {len(ids)} tokens and the model reads at most {limit} "
-                         f"positions; give fewer tokens or a longer text")
-    ids = ids[:tokens or min(32768, limit)]
-    q_mean, q_abs_mean = query_statistics(model, ids)
-    meta = identity(model.full_cfg, folder) | {"tokens": str(len(ids)), "text": text_name,
-                                                "queries": "after q_norm (Qwen3), before RoPE"}
-    path = Path(out) if out is not None else default_path(meta["fingerprint"])
+def save(path: Path, q_mean, q_abs_mean, meta: dict[str, str]) -> Path:
+    """Write statistics to path (complete or absent: through a temporary file) with what identifies the model."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")  # complete or absent
+    tmp = path.with_name(path.name + ".tmp")
     save_file({"q_mean": q_mean, "q_abs_mean": q_abs_mean}, str(tmp), metadata=meta)
     os.replace(tmp, path)
-    return path, len(ids)
+    return path
 
 
-def random_stats(cfg, seed: int = 0) -> QueryStats:
-    """Statistics of random values in cfg's shapes (model.Config: its layers, heads, RoPE), each pair's mean
-    magnitude above the magnitude of its mean as a real one is: for timing a step on random weights (bench.py)."""
-    from model import rope_frequencies
+def random_stats(cfg, inv_freq, seed: int = 0) -> QueryStats:
+    """Statistics of random values in cfg's shapes (model.Config: its layers and heads) for RoPE frequencies inv_freq
+    [F], each pair's mean magnitude above the magnitude of its mean as a real one is: for timing a step on random
+    weights (bench.py)."""
     gen = torch.Generator().manual_seed(seed)
     q_mean = torch.randn(cfg.n_layers, cfg.n_heads, cfg.head_dim // 2, 2, generator=gen)
     q_abs_mean = q_mean.norm(dim=-1) + torch.rand(q_mean.shape[:-1], generator=gen)
-    return QueryStats(q_mean, q_abs_mean, rope_frequencies(cfg, "cpu"))
+    return QueryStats(q_mean, q_abs_mean, inv_freq.float().cpu())
 
 
 # ---- reading them for a model --------------------------------------------------------------------------------

@@ -163,13 +163,13 @@ def tinyflow_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory, tinyflow_cache):
     """The tiny checkpoints, each calibrated (its query statistics in the session's cache: every policy runs)."""
-    import calibration
+    import eval as evaluate
     root = tmp_path_factory.mktemp("ckpt")
     folders = {"qwen3": write_checkpoint(root / "qwen3", "qwen3"),
                "qwen2": write_checkpoint(root / "qwen2", "qwen2"),
                "llama": write_checkpoint(root / "llama", "llama", max_shard_size="100KB")}
     for folder in folders.values():
-        calibration.calibrate(str(folder), " ".join(CORPUS), device="cpu")
+        evaluate.calibrate(str(folder), " ".join(CORPUS), device="cpu")
     return folders
 
 

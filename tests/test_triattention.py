@@ -41,7 +41,7 @@ def transformers_queries(folder, arch: str, ids: list[int]) -> list[torch.Tensor
 def test_calibration_is_the_mean_of_the_pre_rope_queries_transformers_computes(checkpoints, arch, tmp_path):
     folder = checkpoints[arch]
     out = tmp_path / "stats.safetensors"
-    path, n = calibration.calibrate(str(folder), TEXT, 100, out, "cpu")
+    path, n = evaluate.calibrate(str(folder), TEXT, 100, out, "cpu")
     assert path == out and n == 100
     ids = Tokenizer(str(folder), Config.from_dict(read_json(str(folder), "config.json"))).encode(TEXT)[:100]
     queries = torch.stack(transformers_queries(folder, arch, ids)).double()  # [L, T, H, D]
@@ -97,7 +97,7 @@ def test_statistics_made_for_another_model_are_refused(checkpoints, tmp_path, mo
         theirs = calibration.default_path(calibration.fingerprint(checkpoints[other]))
         ours = calibration.default_path(calibration.fingerprint(checkpoints[folder]))
         theirs.parent.mkdir(parents=True, exist_ok=True)
-        calibration.calibrate(str(checkpoints[other]), TEXT, 50, theirs, "cpu")
+        evaluate.calibrate(str(checkpoints[other]), TEXT, 50, theirs, "cpu")
         shutil.copy(theirs, ours)  # put where this model's statistics belong
         with pytest.raises(ValueError, match="holds query statistics of another model .*; run: python eval.py "
                                              "calibrate --model"):
