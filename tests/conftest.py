@@ -2,9 +2,9 @@ import os
 
 # One thread per process, set before torch starts its thread pools, and inherited by every process the tests start
 # (servers, generate.py, torchrun's ranks). The tests' models are tiny: a second OpenMP thread gains little on their
-# small matrices, and its barriers spin for the other, so on a two-core machine it burns the core that the
-# background torchrun jobs (test_parallel.py) and the other processes would use (test_score.py's hand-written
-# cache: 26 s wall and 10 s of CPU with one thread, 157 s and 62 s with two, on a loaded two-core machine).
+# small matrices, and its barriers spin waiting for the other, so on a two-core machine it burns the core that the
+# background torchrun jobs (test_parallel.py) and the other processes would use, and stalls whenever that core is
+# taken.
 # Inductor compiles in the process too (no pool of compile workers to start, each importing torch).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
