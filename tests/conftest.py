@@ -1,6 +1,17 @@
 import os
 
-import torch
+# One thread per process, set before torch starts its thread pools, and inherited by every process the tests start
+# (servers, generate.py, torchrun's ranks). The tests' models are tiny: a second OpenMP thread gains little on their
+# small matrices, and its barriers spin waiting for the other, so on a two-core machine it burns the core that the
+# background torchrun jobs (test_parallel.py) and the other processes would use, and stalls whenever that core is
+# taken.
+# Inductor compiles in the process too (no pool of compile workers to start, each importing torch).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a plugin imported torch before this file
 
 # Triton kernels run through the interpreter on machines without a GPU. It must be set before
 # kernel is imported (kernel.py reads it when its kernels are decorated). The processes the tests start
