@@ -124,7 +124,7 @@ def test_a_broken_chat_template_is_one_clear_line(checkpoints, tmp_path, capsys,
     ({"role": "user", "content": 5}, "message 0 (user): 'content' must be a string or a list of text parts, got int"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
      "message 0 (user): content parts must be {\"type\": \"text\", \"text\": ...}: this model reads text only"),
-    ({"content": "Hi"}, "message 0 has no 'role' (a string: system, user, assistant, ...)"),
+    ({"content": "Hi"}, "message 0 has no 'role' (a string: system, developer, user, assistant, tool)"),
 ])
 def test_a_malformed_chat_message_names_its_field_not_the_template(checkpoints, message, error):
     _, tok = load(str(checkpoints["qwen3"]), torch.device("cpu"), torch.float32)
