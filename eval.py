@@ -1386,6 +1386,8 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
                        data_parallel=args.dp)
     check_chat_template(llm, args.model)
     sampling = asdict(sampling_from_flags(proto.sampling, llm.tokenizer.defaults))
+    if sampling["temperature"] == 0:  # greedy: a protocol's (or the model's) top-p and top-k would choose nothing
+        sampling.update(top_p=1.0, top_k=0)
     settings = dict(model=args.model, data=args.data, data_sha256=digest, protocol=args.protocol, system=proto.system,
                     suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
                     answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)

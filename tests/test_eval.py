@@ -552,3 +552,14 @@ def test_an_fp8_run_has_its_own_files_and_label(checkpoints, tmp_path):
     fp8_bytes = KVCache.bytes_needed(cfg, 3, 40, torch.float32, resolve_policy("longflow", 40), kernel.FP8)
     assert summary["kv_dtype"] == "fp8" and summary["rows"] == 3 and summary["kv_bytes"] == fp8_bytes
     assert "| longflow fp8 | 40 |" in (out / "compare.md").read_text()
+
+
+def test_a_greedy_run_of_a_sampling_protocol_decodes_without_its_top_p(checkpoints, tmp_path):
+    """--temperature 0 with the r1 protocol (top-p 0.95): greedy, and the top-p that would choose nothing is left
+    out of the run rather than refused after the model has loaded."""
+    data, out = write_data(tmp_path), tmp_path / "runs"
+    ev.main(["--model", str(checkpoints["qwen3"]), "--data", str(data), "--runs", "full", "--protocol", "r1",
+             "--temperature", "0", "--max-new-tokens", "4", "--limit", "1", "--out", str(out), "--device", "cpu",
+             "--no-compile"])
+    settings = json.loads(next(out.glob("*.settings.json")).read_text())
+    assert settings["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
