@@ -138,6 +138,8 @@ def refuse_thinking(tok, name: str, chat: bool = True):
     """A thinking switch (--thinking, --no-thinking, LLM.chat's enable_thinking) that the prompt would never
     reach is refused: a plain-text prompt, or a chat template that does not read enable_thinking. name: the
     switch as the caller gave it."""
+    if tok.template is None:
+        raise ValueError(f"{name} would be ignored: this model has no chat template to switch thinking in; drop it")
     if not chat:
         raise ignored([name], "to a prompt in the model's chat template", "drop --no-chat")
     if not tok.has_thinking_switch:

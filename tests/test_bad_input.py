@@ -507,6 +507,16 @@ def test_a_thinking_switch_with_a_plain_text_prompt_is_refused(checkpoints, caps
                    "--no-thinking only applies to a prompt in the model's chat template: drop --no-chat or drop it")
 
 
+def test_a_thinking_switch_for_a_model_without_a_chat_template_says_so(checkpoints, capsys, tmp_path):
+    """No --no-chat was given: the refusal says the model has no template, not to drop a flag nobody gave."""
+    folder = tmp_path / "base"
+    shutil.copytree(checkpoints["qwen3"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    one_line_error(*cli(capsys, "--model", folder, "--prompt", "Hi", "--no-compile", "--thinking")[::2],
+                   "--thinking would be ignored: this model has no chat template to switch thinking in; drop it")
+
+
 def test_a_budget_past_the_models_context_is_refused_unless_long_context_is_allowed(checkpoints, capsys):
     """The tiny models' max_position_embeddings is 512: slots past it could never be filled."""
     says = ("budget 600 is more KV slots than a sequence can fill: the model's context (max_position_embeddings) is "
