@@ -79,8 +79,11 @@ def save(path: Path, q_mean, q_abs_mean, meta: dict[str, str]) -> Path:
     """Write statistics to path (complete or absent: through a temporary file) with what identifies the model."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"q_mean": q_mean, "q_abs_mean": q_abs_mean}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        save_file({"q_mean": q_mean, "q_abs_mean": q_abs_mean}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # none is left beside the target, written or not
     return path
 
 

@@ -1065,7 +1065,7 @@ def fidelity_runs(specs: list[str], full_runs: bool = False) -> list[tuple[str, 
 # TriAttention's calibration: the statistics of a model's queries (calibration.py).
 
 def calibrate_main(argv):
-    from cli import Parser, positive_int
+    from cli import Parser, count, positive_int
     p = Parser(prog="eval.py calibrate", description="Measure the statistics of a model's queries that policy "
                "triattention scores with (one prefill over a plain text) and write them where it finds them.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
@@ -1088,10 +1088,22 @@ def calibrate_main(argv):
     else:
         name, text = args.text, read_text(Path(args.text))
     path, n = calibrate(args.model, text, args.tokens, args.out, args.device, args.dtype, name)
-    print(f"calibrate: wrote {path}, the query statistics of {args.model} over {n} tokens of {name}")
+    print(f"calibrate: wrote {path}, the query statistics of {args.model} over {count(n, 'token')} of {name}")
 
 
 # ---- measuring them (TriAttention's statistics: calibration.py keeps their file) -----------------------------------------------------------------------------------------
+def check_calibration_out(out, folder):
+    """--out: a file, not a folder, and outside the model's folder, which stays as it came."""
+    if out is None:
+        return
+    target, model_folder = Path(out).resolve(), Path(folder).resolve()
+    if target == model_folder or model_folder in target.parents:
+        raise ValueError(f"--out {out} is inside the model's folder, which stays as it came: write elsewhere, or "
+                         f"leave --out out (the cache folder, where the policy looks)")
+    if target.is_dir():
+        raise ValueError(f"--out {out} is a folder: give the file to write (e.g. {Path(out) / 'stats.safetensors'})")
+
+
 def query_statistics(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One prefill of `ids` through model (a model.Transformer), the queries of every layer taken before RoPE by a
     hook that recomputes them from the attention's input (the decode step is left as it is). Returns q_mean
@@ -1141,18 +1153,19 @@ def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, d
     many as it has, at most 32,768 as the authors read, and the model's max_position_embeddings) and write them to
     out (default: the cache folder, by the model's fingerprint). Returns the path and the tokens read."""
     import calibration
+    from cli import count
     from model import load, pick_device, resolve
     folder = resolve(model_name)
-    if out is not None and Path(folder).resolve() in Path(out).resolve().parents:
-        raise ValueError(f"--out {out} is inside the model's folder, which stays as it came: write elsewhere, or "
-                         f"leave --out out (the cache folder, where the policy looks)")
+    check_calibration_out(out, folder)
     device, dtype = pick_device(device, dtype)
     model, tokenizer = load(folder, device, dtype)
     ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError(f"{text_name or 'the text'} holds no tokens: give a text file with content")
     limit = model.cfg.max_position_embeddings or 32768
     if tokens is not None and tokens > min(len(ids), limit):
-        raise ValueError(f"--tokens {tokens}: the text has {len(ids)} tokens and the model reads at most {limit} "
-                         f"positions; give fewer tokens or a longer text")
+        raise ValueError(f"--tokens {tokens}: the text has {count(len(ids), 'token')} and the model reads at most "
+                         f"{limit} positions; give fewer tokens or a longer text")
     ids = ids[:tokens or min(32768, limit)]
     q_mean, q_abs_mean = query_statistics(model, ids)
     meta = calibration.identity(model.full_cfg, folder) | {"tokens": str(len(ids)), "text": text_name,

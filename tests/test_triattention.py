@@ -121,10 +121,15 @@ def test_the_statistics_a_layer_reads_are_those_of_its_own_layer_and_heads(check
     (["--tokens", "600"], "--tokens 600: the text has .* tokens and the model reads at most 512 positions"),
     (["--text", "missing.txt"], "cannot read missing.txt"),
     (["--out", "{model}/stats.safetensors"], "is inside the model's folder"),
+    (["--out", "{model}"], "is inside the model's folder"),
+    (["--out", "{tmp}"], "is a folder: give the file to write"),
+    (["--text", "{tmp}/empty.txt"], "holds no tokens"),
 ])
-def test_bad_calibration_input_is_one_line(checkpoints, capsys, args, message):
+def test_bad_calibration_input_is_one_line(checkpoints, capsys, tmp_path, args, message):
     folder = str(checkpoints["qwen3"])
+    (tmp_path / "empty.txt").write_text("")
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(["calibrate", "--model", folder, "--device", "cpu", *(a.format(model=folder) for a in args)])
+        evaluate.main(["calibrate", "--model", folder, "--device", "cpu",
+                       *(a.format(model=folder, tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and re.search(message, err), err
