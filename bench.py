@@ -168,7 +168,7 @@ def bench_kernel(args, hw: Machine, _):
                 for _ in range(n_sets)]
         # + ||v||_1 per slot, as the cache keeps it, and a per-slot state for the rules that keep one
         sets = [(*s, kernel.l1_norm(s[2]), torch.zeros(B, Hkv, S, device="cuda")) for s in sets]
-        variants = {name: kernel_rule_call(POLICIES[name], B * Hkv * S) for name in kernel_rules(args)}
+        variants = {name: kernel_rule_call(resolve_policy(name, S), B * Hkv * S) for name in args.policy}
         variants |= {  # name: (call, bytes read beyond K, V and positions)
             "no selection": (lambda q, k, v, p, n, st: kernel.decode_attention(q, k, v, p, select=False), 0),
             "torch SDPA": (lambda q, k, v, p, n, st: F.scaled_dot_product_attention(q[:, :, None], k, v,
@@ -197,17 +197,12 @@ def bench_kernel(args, hw: Machine, _):
                 finished(r)
 
 
-def kernel_rules(args) -> list[str]:
-    """The rules `bench.py kernel` times: --policy, or every rule the fused kernel scores."""
-    given = args.policy != ["longflow", "full"]
-    return args.policy if given else [name for name, p in POLICIES.items() if isinstance(p, KernelPolicy)]
-
-
 def kernel_rule_call(p: KernelPolicy, slots: int):
-    """The kernel's call for rule p over an input set (q, k, v, pos, ||v||_1, state), and the bytes it reads
-    beyond K, V and positions: ||v||_1, and the state read and written."""
+    """The kernel's call for rule p (resolved: its sinks and window) over an input set (q, k, v, pos, ||v||_1,
+    state), and the bytes it reads beyond K, V and positions: ||v||_1, and the state read and written."""
     s = p.scoring
     call = lambda q, k, v, pos, n, st: kernel.decode_attention(q, k, v, pos, per_head=p.per_head, scoring=s,
+                                                                n_sink=p.n_sink, window=p.window,
                                                                 vnorm=n if s.value_norm else None,
                                                                 state=st if s.keeps_state else None)
     return call, 4 * slots * (s.value_norm + 2 * s.keeps_state)
@@ -869,8 +864,9 @@ def parser() -> Parser:
                    help="several: the workload runs for each")
     p.add_argument("--slots", type=positive_int, default=3200, help="kernel: slots per sequence")
     p.add_argument("--context", type=positive_int, default=16384, help="step, full policy: tokens in the cache")
-    p.add_argument("--policy", nargs="+", default=["longflow", "full"], choices=list(POLICIES), metavar="POLICY",
-                   help=f"one or more of {', '.join(POLICIES)}")
+    p.add_argument("--policy", nargs="+", default=None, choices=list(POLICIES), metavar="POLICY",
+                   help=f"one or more of {', '.join(POLICIES)} (default: longflow and full; kernel: every rule the "
+                        f"fused kernel scores)")
     p.add_argument("--prompt-len", type=positive_int, default=None, help="default: 131072 for long-prompt, else 128")
     p.add_argument("--new-tokens", type=positive_int, default=16384)
     p.add_argument("--device", default=None, help="default: cuda when available")
@@ -952,6 +948,9 @@ def check_used(args, p: Parser):
     unused = [flag(name) for name in sorted(set().union(*READS.values()) - READS[w]) if given(name)]
     if unused:
         raise ValueError(f"the {w} workload does not use {', '.join(unused)}; drop {'them' if unused[1:] else 'it'}")
+    if args.policy is None:
+        args.policy = [n for n, p in POLICIES.items() if isinstance(p, KernelPolicy)] if w == "kernel" else \
+            ["longflow", "full"]
     if args.model and given("shape"):
         raise ValueError("--model and --shape both say which model to run; give one of them")
     if len(args.budget) > 1 and w not in ("step", "throughput", "generate"):
@@ -960,8 +959,12 @@ def check_used(args, p: Parser):
         raise ValueError("--policy full keeps every token and takes no --budget; drop it, or add a policy that evicts")
     if "full" not in args.policy and given("context"):
         raise ValueError("--context is the fill of the full cache; add full to --policy, or drop --context")
+    engine_runs = w in ("throughput", "generate", "long-prompt") or args.validate
+    if "triattention" in args.policy and engine_runs and not args.model:
+        raise ValueError("policy triattention reads a checkpoint's calibrated statistics: on random weights (--shape) "
+                         "only bench.py step times it (with random ones); give --model DIR, calibrated, for this")
     unfused = [name for name in args.policy if not isinstance(POLICIES[name], KernelPolicy)]
-    if w == "kernel" and given("policy") and unfused:
+    if w == "kernel" and unfused:
         raise ValueError(f"the kernel workload times the rules the fused kernel scores, not {', '.join(unfused)}: "
                          f"time them in a decode step (bench.py step --policy ...)")
 
