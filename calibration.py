@@ -53,7 +53,7 @@ def fingerprint(folder) -> str:
     except (OSError, SafetensorError, KeyError) as e:
         raise ValueError(f"cannot read {name} from {folder} to identify the model ({e})") from None
     digest = hashlib.sha256(f"{name} {dtype} {shape}".encode())
-    digest.update(rows.view(torch.uint8).numpy().tobytes())
+    digest.update(bytes(rows.view(torch.uint8).flatten().tolist()))
     return digest.hexdigest()[:16]
 
 

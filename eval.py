@@ -1091,7 +1091,7 @@ def calibrate_main(argv):
     print(f"calibrate: wrote {path}, the query statistics of {args.model} over {count(n, 'token')} of {name}")
 
 
-# ---- measuring them (TriAttention's statistics: calibration.py keeps their file) -----------------------------------------------------------------------------------------
+# ---- measuring them (TriAttention's statistics; calibration.py keeps their file) ------------------------------------
 def check_calibration_out(out, folder):
     """--out: a file, not a folder, and outside the model's folder, which stays as it came."""
     if out is None:

@@ -633,7 +633,7 @@ def parse_args(argv=None):
 
 
 def run(args):
-    if args.n is not None:
+    if args.n not in (None, 1):
         raise ValueError(f"-n {args.n}: generate.py answers each copy of the prompt once; for {args.n} samples of it, "
                          f"give --batch-size {args.n} --temperature T (> 0)")
     check_policy_args(args)

@@ -79,7 +79,8 @@ class Scoring:
 
     alpha[h, i] is the current query's softmax weight of slot i; the mean runs over the KV head's query group
     (per head) or over every head of the layer. A new factor is a field here, a line in decode_attention_ref,
-    its lines in _score_chunk, and its way through decode_attention's arguments to the op."""
+    its lines in _score_chunk (a flag of _finish_kernel's), and an argument of the op (decode_attention,
+    _decode_attention_op, _result_shapes)."""
     value_norm: bool = False
     update: str = "none"
     decay: float = 1.0  # "ema" only: the weight of the state a step keeps

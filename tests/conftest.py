@@ -11,7 +11,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a plugin imported torch before this file
+if os.environ["OMP_NUM_THREADS"].isdigit():  # also where a plugin imported torch before this file
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Triton kernels run through the interpreter on machines without a GPU. It must be set before
 # kernel is imported (kernel.py reads it when its kernels are decorated). The processes the tests start
