@@ -111,8 +111,8 @@ def timeline(monkeypatch):
             seen.append("launch")
         call(self)
 
-    def spy_fill(self, requests, serving):
-        admitted = fill(self, requests, serving)
+    def spy_fill(self, requests, serving, run):
+        admitted = fill(self, requests, serving, run)
         if admitted.rows:
             seen.append("prefill")
         return admitted

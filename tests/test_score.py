@@ -131,7 +131,7 @@ def test_small_budget_logprobs_equal_a_longflow_cache_written_by_hand(checkpoint
 
 def test_bad_score_requests_are_clear_errors(checkpoints):
     llm = tinyflow.LLM(str(checkpoints["qwen3"]), device="cpu", compile=False)
-    with pytest.raises(ValueError, match="one continuation per prompt: 2 prompts, 1 continuations"):
+    with pytest.raises(ValueError, match="one continuation per prompt: 2 prompts, 1 continuation$"):
         llm.score(["a", "b"], ["c"])
     with pytest.raises(ValueError, match="empty continuation"):
         llm.score(["a"], [[]])
