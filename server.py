@@ -37,7 +37,7 @@ from policies import is_int, resolve_policy
 from generate import Engine, pick_device
 from memory import pick_batch
 from sampling import SAMPLING_RANGES, BadSetting, Sampling
-from cli import (Parser, add_cache_options, check_policy_args, ignore_further_interrupts, positive_int,
+from cli import (Parser, add_cache_options, check_policy_args, count, ignore_further_interrupts, positive_int,
                  run_as_command, say)
 import parallel
 from model import load, template_messages
@@ -317,7 +317,10 @@ def check_unsupported(body: dict, known: set):
                           ("tools", []), ("suffix", "")):
         value = body.get(name)  # the neutral value only, and of its kind: true is no n of 1, 0 no logprobs of false
         if value is not None and not (isinstance(value, bool) == isinstance(neutral, bool) and value == neutral):
-            raise ApiError(400, f"'{name}' other than {json.dumps(neutral)} is not supported by this server", name)
+            hint = "; for several samples send that many requests, each with its own seed" if name in ("n", "best_of") \
+                else ""
+            raise ApiError(400, f"'{name}' other than {json.dumps(neutral)} is not supported by this server{hint}",
+                           name)
     for name in ("tool_choice", "response_format", "parallel_tool_calls"):
         if body.get(name) is not None:
             raise ApiError(400, f"'{name}' is not supported by this server (no tools or structured output)", name)
@@ -406,18 +409,19 @@ class Server:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = self.context - len(prompt)
         if room < 1:
-            raise ApiError(400, f"the prompt is {len(prompt)} tokens, and this server's context is {self.context}: "
-                                f"no room for an answer", "messages" if "messages" in body else "prompt")
-        count = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1
-        max_tokens = take(body, "max_completion_tokens", count, "an integer >= 1")
+            raise ApiError(400, f"the prompt is {count(len(prompt), 'token')}, and this server's context is "
+                                f"{self.context}: no room for an answer",
+                           "messages" if "messages" in body else "prompt")
+        at_least_1 = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1
+        max_tokens = take(body, "max_completion_tokens", at_least_1, "an integer >= 1")
         if max_tokens is not None and body.get("max_tokens") not in (None, max_tokens):
             raise ApiError(400, "'max_tokens' and 'max_completion_tokens' disagree: give one of them", "max_tokens")
-        max_tokens = take(body, "max_tokens", count, "an integer >= 1", max_tokens)
+        max_tokens = take(body, "max_tokens", at_least_1, "an integer >= 1", max_tokens)
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt)} tokens is past this server's "
-                                f"context of {len(prompt) + room} tokens; ask for at most {room}", "max_tokens")
+            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {count(len(prompt), 'token')} is past this "
+                                f"server's context of {len(prompt) + room} tokens; ask for at most {room}", "max_tokens")
         given = {name: take(body, name, *check) for name, check in SAMPLING.items()}
         if given["top_k"] == -1:
             given["top_k"] = 0  # no limit

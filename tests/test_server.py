@@ -387,6 +387,18 @@ def test_a_sampling_setting_out_of_range_is_refused_as_the_routes_own_checks_say
     assert r.json()["error"]["message"] == message
 
 
+def test_n_other_than_1_says_how_to_get_several_samples(server):
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "'n' other than 1 is not supported by this server; for several samples send that many requests, each with "
+        "its own seed")
+
+
+def test_a_one_token_prompt_past_max_tokens_is_counted_in_the_singular(server):
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": [7], "max_tokens": 600})
+    assert r.status_code == 400 and "the prompt's 1 token is past this server's context" in r.json()["error"]["message"]
+
+
 def test_a_prompt_of_the_whole_context_is_refused_and_one_a_token_shorter_gets_one_token(server):
     """The tiny model's context is 512 positions: a 512-token prompt leaves no room for an answer."""
     r = server.post("/v1/completions", {"model": "tiny", "prompt": [7] * 512})
