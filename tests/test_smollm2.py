@@ -1,16 +1,16 @@
-"""tests/smollm2.py, which writes the real checkpoint's folder (the README's first model): its files' modes."""
+"""default_model.py, which writes the real checkpoint's folder (the README's first model): its files' modes."""
 import os
 
 import torch
 
-import smollm2
+import default_model
 
 
 def test_the_weights_file_gets_the_mode_of_the_folders_other_files(tmp_path):
     """safetensors alone writes 0600: another user of the machine could not load the model."""
     old = os.umask(0o022)
     try:
-        smollm2.save_weights({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+        default_model.save_weights({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
         (tmp_path / "config.json").write_text("{}")
     finally:
         os.umask(old)
