@@ -235,7 +235,7 @@ def test_help_shows_the_defaults(capsys, monkeypatch):
     import bench
     import eval as ev
     monkeypatch.setattr(sys, "argv", ["bench.py", "--help"])  # bench.main reads its options from sys.argv
-    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: Qwen/Qwen3-0.6B)", "(default: 512)",
+    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: SmolLM2-135M-Instruct,", "(default: 512)",
                                                                  generate.DEFAULT_PROMPT]),
                            (lambda: ev.main(["--help"]), ["default: Qwen/Qwen3-8B", "default: 0"]),
                            (bench.main, ["default: Qwen3-8B", "default: 16384"])):
