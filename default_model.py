@@ -7,6 +7,7 @@ folder that tinyflow loads. It imports no other file of tinyflow: the caller nam
     python tests/smollm2.py DEST      # needs transformers and gguf (the test extra): pip install transformers gguf
 """
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -100,6 +101,23 @@ def one_parse_per_file():
         gguf.GGUFReader = original
 
 
+@contextlib.contextmanager
+def no_progress_bars(transformers):
+    """transformers' bars for dequantizing (a plain tqdm of its GGUF module's) and loading, off: cached()'s one
+    line on stderr says what happens."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    logging, bar = transformers.utils.logging, gguf_utils.tqdm
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if was_on:
+            logging.enable_progress_bar()
+
+
 def save_weights(weights: dict, path: str):
     """safetensors writes its file for its owner alone (mode 0600); this one gets the mode of the folder's other
     files (0644 under the usual umask), so that whoever may read the folder may run the model."""
@@ -116,7 +134,7 @@ def convert(dest: str) -> str:
     import torch
     import transformers
 
-    with tempfile.TemporaryDirectory() as tmp, one_parse_per_file():
+    with tempfile.TemporaryDirectory() as tmp, one_parse_per_file(), no_progress_bars(transformers):
         src = download_gguf(tmp)
         model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
