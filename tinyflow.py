@@ -18,7 +18,7 @@ def check_own_modules():
     and an install older than one of them does not find it at all."""
     here = os.path.dirname(os.path.abspath(__file__))
     for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli",
-                 "parallel", "calibration"):
+                 "parallel", "calibration", "default_model"):
         spec = importlib.util.find_spec(name)
         if spec is None:  # an editable install made before this module existed does not map it
             clone = os.path.dirname(os.path.realpath(__file__))  # a strict editable install links the clone's files
