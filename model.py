@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
+import default_model
 import fp8
 from cache import KVCache, Layer
+from calibration import cache_folder
 from policies import is_int
 from sampling import on_device
 from parallel import SINGLE, Group, rank
@@ -359,9 +361,12 @@ def hub_id(name: str) -> str | None:
     return f"{owner}/{name}" if owner and "/" not in name else None
 
 
-def resolve(name: str) -> str:
+def resolve(name: str | None) -> str:
     """A local folder as is; a bare name of a supported family (Qwen3-8B) as its Hub id, said on stderr; anything
-    else is a Hub id, fetched (or found in the local cache)."""
+    else is a Hub id, fetched (or found in the local cache). None: the default model (default_model.py), converted
+    once into tinyflow's cache folder."""
+    if name is None:
+        return default_folder()
     name = os.path.expanduser(name)  # `--model=~/dir`: the shell leaves that tilde alone
     if os.path.isdir(name):
         return name
@@ -384,6 +389,14 @@ def resolve(name: str) -> str:
                                 f"(no network, or HF_HUB_OFFLINE set); fetch it with `hf download {name}`") from None
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"{name} is neither a local folder nor a model on the Hugging Face Hub") from None
+
+
+def default_folder() -> str:
+    """The model a run without one gets: SmolLM2-135M-Instruct, in <cache>/models (cache as calibration.py's)."""
+    say = (lambda line: print(line, file=sys.stderr)) if rank() == 0 else (lambda line: None)
+    folder = default_model.cached(cache_folder() / "models", say)
+    say(f"no model given: running {default_model.NAME} ({folder})")
+    return folder
 
 
 def read_json(folder: str, name: str, required=True) -> dict:
@@ -737,7 +750,7 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
     return device, dtype
 
 
-def load(name: str, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
+def load(name: str | None, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
     """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer.
     weights: "auto", the layers' weights as the checkpoint stores them (16-bit, or FP8 blocks), or "fp8",
     16-bit ones quantized into FP8 blocks as they load."""

@@ -18,7 +18,7 @@ def check_own_modules():
     and an install older than one of them does not find it at all."""
     here = os.path.dirname(os.path.abspath(__file__))
     for name in ("cache", "policies", "kernel", "fp8", "model", "sampling", "step", "memory", "generate", "cli",
-                 "parallel", "calibration"):
+                 "parallel", "calibration", "default_model"):
         spec = importlib.util.find_spec(name)
         if spec is None:  # an editable install made before this module existed does not map it
             clone = os.path.dirname(os.path.realpath(__file__))  # a strict editable install links the clone's files
@@ -54,12 +54,13 @@ class Score:
 
 
 class LLM:
-    def __init__(self, model: str, budget: int | None = None, policy: str | None = None,
+    def __init__(self, model: str | None = None, budget: int | None = None, policy: str | None = None,
                  device=None, dtype=None, compile: bool = True, sinks: int | None = None,
                  window: int | None = None, prompt_compression: str = "snapkv", allow_long_context: bool = False,
                  kv_dtype: str = "auto", weights: str = "auto", data_parallel: bool = False):
-        """model: a Hugging Face id or a local folder. budget: KV slots per sequence and layer, or None
-        to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
+        """model: a Hugging Face id or a local folder (None: SmolLM2-135M-Instruct, converted once into tinyflow's
+        cache folder, as generate.py without --model: default_model.py). budget: KV slots per sequence and layer,
+        or None to keep every token. policy: "longflow" (one decision per layer, as in the paper; the default with
         a budget), "longflow-head" (per KV head), "full" (the default without), or another rule of
         policies.POLICIES (tova, h2o, vatp, streaming, keydiff, rkv, random, knorm, triattention: it reads
         statistics of the model that `python eval.py calibrate --model DIR` measures). sinks / window: first /
@@ -168,7 +169,7 @@ def check_llm_args(model, dtype, kv_dtype, weights, **flags):
     """LLM()'s arguments that would otherwise fail deep inside loading, or be taken for what they are not
     (compile="no" is true), before anything loads; the policy's are resolve_policy's, the device's
     pick_device's."""
-    if not isinstance(model, (str, os.PathLike)):
+    if model is not None and not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a Hugging Face id or a folder path, not {type(model).__name__}")
     if not (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES):
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")

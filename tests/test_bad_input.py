@@ -235,7 +235,7 @@ def test_help_shows_the_defaults(capsys, monkeypatch):
     import bench
     import eval as ev
     monkeypatch.setattr(sys, "argv", ["bench.py", "--help"])  # bench.main reads its options from sys.argv
-    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: Qwen/Qwen3-0.6B)", "(default: 512)",
+    for main, defaults in ((lambda: generate.main(["--help"]), ["(default: SmolLM2-135M-Instruct,", "(default: 512)",
                                                                  generate.DEFAULT_PROMPT]),
                            (lambda: ev.main(["--help"]), ["default: Qwen/Qwen3-8B", "default: 0"]),
                            (bench.main, ["default: Qwen3-8B", "default: 16384"])):
@@ -357,7 +357,7 @@ def test_api_takes_id_sequences_of_any_kind_and_refuses_text_where_a_list_belong
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(model=None), TypeError, "model must be a Hugging Face id or a folder path, not NoneType"),
+    (dict(model=8), TypeError, "model must be a Hugging Face id or a folder path, not int"),  # None: the default
     (dict(kv_dtype=["fp8"]), ValueError, "kv_dtype must be one of auto, fp8, got ['fp8']"),
     (dict(dtype=torch.int8), ValueError, "dtype must be bfloat16, float16 or float32 (a name or a torch.dtype), "
                                          "got torch.int8"),

