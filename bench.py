@@ -52,9 +52,9 @@ from generate import Engine, pick_device, sync_time
 from memory import PREFILL_TOKENS, batch_that_fits, device_free_bytes, pick_batch
 from sampling import Sampler, Sampling
 from step import State, Stepper
-from cli import Parser, add_weights_option, count, non_negative_int, positive_int, run_as_command, run_command
+from cli import Parser, add_weights_option, non_negative_int, positive_int, run_as_command, run_command
 import parallel
-from model import Config, checkpoint_params, empty_model, load
+from model import Config, checkpoint_params, empty_model, load, plural
 from parallel import SINGLE, Group
 
 SHAPES = {
@@ -715,7 +715,7 @@ async def load_run(args, rate: float) -> dict:
     ok = [r for r in results if "error" not in r and r["tokens"] == args.new_tokens]
     failed = [r for r in results if r not in ok]
     if failed:
-        print(f"{count(len(failed), 'request')} did not complete, first: {failed[0].get('error', failed[0])}",
+        print(f"{plural(len(failed), 'request')} did not complete, first: {failed[0].get('error', failed[0])}",
               file=sys.stderr)
     # time per output token: a request's time from its first chunk to its last over its tokens after the
     # first (the server sends a chunk per host sync, 16 tokens, so gaps between chunks are not per token)
@@ -744,7 +744,7 @@ def bench_serve(args, hw, _):
     for rate in args.rate:
         finished(asyncio.run(load_run(args, rate)))
         if ROWS[-1]["completed"] != args.requests:
-            raise ValueError(f"{count(args.requests - ROWS[-1]['completed'], 'request')} of {args.requests} did not "
+            raise ValueError(f"{plural(args.requests - ROWS[-1]['completed'], 'request')} of {args.requests} did not "
                              f"complete at --rate {rate}")
 
 
@@ -830,7 +830,7 @@ def save_plot(args, hw: Machine):
             os.close(handle)
             write_json(saved, args, hw, complete=True)
         raise ValueError(f"--plot {args.plot} could not be written ({e.strerror or e}); what was measured "
-                         f"({count(len(ROWS), 'row')}) is in {saved}") from None
+                         f"({plural(len(ROWS), 'row')}) is in {saved}") from None
 
 
 WORKLOADS = {"kernel": bench_kernel, "step": bench_step, "throughput": bench_throughput,
@@ -1098,12 +1098,12 @@ def check_and_run(args, p: Parser):
 
 
 def out_of_memory() -> str:  # a --batch or --context too large for this GPU (the finished rows are kept)
-    return (f"out of GPU memory after {count(len(ROWS), 'row')}; lower --batch, --budget or --context, or leave "
+    return (f"out of GPU memory after {plural(len(ROWS), 'row')}; lower --batch, --budget or --context, or leave "
             f"--batch out for the largest batch that fits")
 
 
 def stopped(args):  # Ctrl-C: the rows measured until then, and where they are written
-    interrupted(f"{count(len(ROWS), 'row')} measured" + (f", written to {args.json}" if args.json and ROWS else ""))
+    interrupted(f"{plural(len(ROWS), 'row')} measured" + (f", written to {args.json}" if args.json and ROWS else ""))
 
 
 if __name__ == "__main__":

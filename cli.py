@@ -172,11 +172,6 @@ def read_prompt(args) -> str:
                          f"UTF-8") from None
 
 
-def count(n: int, noun: str) -> str:
-    """'1 text', '2 texts': a number and its noun (one whose plural adds an s)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def say(line: str | None):
     """One line on stderr (None: nothing, as for another rank's copy of rank 0's error)."""
     if line:

@@ -747,13 +747,13 @@ BOOTSTRAP_BLOCK = 64  # tokens per block of the bootstrap error bars
 def rust_texts(tokenizer, n: int, prompt_tokens: int, tokens: int) -> list[dict]:
     """The first n shipped chapters of the Rust book (data/rust_book.jsonl), each cut into a prompt and a
     continuation of the given lengths in tokens."""
-    from cli import count
+    from model import plural
     texts = []
     for line in RUST_BOOK.read_text(encoding="utf-8").splitlines()[:n]:
         row = json.loads(line)
         ids = tokenizer.encode(row["text"])
         if len(ids) < prompt_tokens + tokens:
-            raise ValueError(f"{row['title']} has {count(len(ids), 'token')}, fewer than --prompt-tokens + --tokens "
+            raise ValueError(f"{row['title']} has {plural(len(ids), 'token')}, fewer than --prompt-tokens + --tokens "
                              f"({prompt_tokens + tokens})")
         texts.append({"name": f"rust/{row['title']}", "prompt": ids[:prompt_tokens],
                       "continuation": ids[prompt_tokens:prompt_tokens + tokens]})
@@ -988,7 +988,7 @@ def run_fidelity(args):
     import time
 
     import tinyflow
-    from cli import count
+    from model import plural
     runs = fidelity_runs(args.runs, args.kv_dtype != "auto" or args.weights != "auto")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1024,7 +1024,7 @@ def run_fidelity(args):
         for budget in sorted({r[1] for r in todo}, key=lambda b: b or 0):
             group = [r for r in todo if r[1] == budget]
             print(f"fidelity: budget {budget or 'all'}: {', '.join(map(name, group))} against the full cache, "
-                  f"{count(len(texts), 'text')} x {count(args.tokens, 'token')}")
+                  f"{plural(len(texts), 'text')} x {plural(args.tokens, 'token')}")
             start = time.perf_counter()
             full, scored = score_in_lock_step(llm, texts, group, args.batch_size, args.kv_dtype, runs_model)
             group_seconds = time.perf_counter() - start
@@ -1041,7 +1041,7 @@ def run_fidelity(args):
                 saved.append(run)
         write_fidelity_table([read_json(path(*r)) for r in runs], out_dir)
     except KeyboardInterrupt:
-        interrupted(f"{count(len(saved), 'run')} of {len(runs)} measured and saved in {out_dir}; run the same command "
+        interrupted(f"{plural(len(saved), 'run')} of {len(runs)} measured and saved in {out_dir}; run the same command "
                     "to resume with the rest")
 
 
@@ -1065,7 +1065,8 @@ def fidelity_runs(specs: list[str], full_runs: bool = False) -> list[tuple[str, 
 # TriAttention's calibration: the statistics of a model's queries (calibration.py).
 
 def calibrate_main(argv):
-    from cli import Parser, count, positive_int
+    from cli import Parser, positive_int
+    from model import plural
     p = Parser(prog="eval.py calibrate", description="Measure the statistics of a model's queries that policy "
                "triattention scores with (one prefill over a plain text) and write them where it finds them.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
@@ -1088,7 +1089,7 @@ def calibrate_main(argv):
     else:
         name, text = args.text, read_text(Path(args.text))
     path, n = calibrate(args.model, text, args.tokens, args.out, args.device, args.dtype, name)
-    print(f"calibrate: wrote {path}, the query statistics of {args.model} over {count(n, 'token')} of {name}")
+    print(f"calibrate: wrote {path}, the query statistics of {args.model} over {plural(n, 'token')} of {name}")
 
 
 # ---- measuring them (TriAttention's statistics; calibration.py keeps their file) ------------------------------------
@@ -1153,7 +1154,7 @@ def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, d
     many as it has, at most 32,768 as the authors read, and the model's max_position_embeddings) and write them to
     out (default: the cache folder, by the model's fingerprint). Returns the path and the tokens read."""
     import calibration
-    from cli import count
+    from model import plural
     from model import load, pick_device, resolve
     folder = resolve(model_name)
     check_calibration_out(out, folder)
@@ -1164,7 +1165,7 @@ def calibrate(model_name: str, text: str, tokens: int | None = None, out=None, d
         raise ValueError(f"{text_name or 'the text'} holds no tokens: give a text file with content")
     limit = model.cfg.max_position_embeddings or 32768
     if tokens is not None and tokens > min(len(ids), limit):
-        raise ValueError(f"--tokens {tokens}: the text has {count(len(ids), 'token')} and the model reads at most "
+        raise ValueError(f"--tokens {tokens}: the text has {plural(len(ids), 'token')} and the model reads at most "
                          f"{limit} positions; give fewer tokens or a longer text")
     ids = ids[:tokens or min(32768, limit)]
     q_mean, q_abs_mean = query_statistics(model, ids)
@@ -1355,12 +1356,13 @@ def run_main(args):
             write_table(summaries, out_dir)
         parallel.barrier()
     except KeyboardInterrupt:
-        from cli import count, ignore_further_interrupts
+        from cli import ignore_further_interrupts
+        from model import plural
         ignore_further_interrupts()
         if parallel.rank() > 0:  # rank 0 counts (and says) what every rank saved
             sys.exit(130)
         saved = sum(len(saved_rows(p, items, proto.samples)) for path in paths for p in [path, *rank_files(path)])
-        interrupted(f"{count(saved, 'generation')} of {len(paths) * len(items) * proto.samples} saved in {out_dir}; "
+        interrupted(f"{plural(saved, 'generation')} of {len(paths) * len(items) * proto.samples} saved in {out_dir}; "
                     "run the same command to resume with the rest")
     finally:  # also when interrupted: an eval.py inside a longer Python session must not keep them
         for lock in locks:

@@ -37,10 +37,10 @@ from policies import is_int, resolve_policy
 from generate import Engine, pick_device
 from memory import pick_batch
 from sampling import SAMPLING_RANGES, BadSetting, Sampling
-from cli import (Parser, add_cache_options, check_policy_args, count, ignore_further_interrupts, positive_int,
+from cli import (Parser, add_cache_options, check_policy_args, ignore_further_interrupts, positive_int,
                  run_as_command, say)
 import parallel
-from model import load, template_messages
+from model import load, plural, template_messages
 
 try:
     import uvicorn
@@ -409,7 +409,7 @@ class Server:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = self.context - len(prompt)
         if room < 1:
-            raise ApiError(400, f"the prompt is {count(len(prompt), 'token')}, and this server's context is "
+            raise ApiError(400, f"the prompt is {plural(len(prompt), 'token')}, and this server's context is "
                                 f"{self.context}: no room for an answer",
                            "messages" if "messages" in body else "prompt")
         at_least_1 = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1
@@ -420,7 +420,7 @@ class Server:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {count(len(prompt), 'token')} is past this "
+            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {plural(len(prompt), 'token')} is past this "
                                 f"server's context of {len(prompt) + room} tokens; ask for at most {room}", "max_tokens")
         given = {name: take(body, name, *check) for name, check in SAMPLING.items()}
         if given["top_k"] == -1:
