@@ -223,10 +223,9 @@ def make_model(args):
     if args.model:
         return load(args.model, args.device, args.dtype, args.tp, args.weights)[0]
     model = random_model(Config.from_dict(SHAPES[args.shape]), args.device, args.dtype, tp=args.tp)
-    if args.weights == "fp8":
+    if args.weights != "auto":
         fp8.check_split(model.full_cfg, args.tp)
-        fp8.convert(model, quantize=True)
-    return model
+    return fp8.quantize(model, args.weights)
 
 
 def save_checkpoint(args, hw, model):
@@ -270,14 +269,10 @@ def weights_read(model) -> int:
 
 
 def unread_embedding_rows(model) -> int:
-    """The input embedding's weights a step does not read: all but B rows, or but the lm_head's if tied."""
+    """The input embedding's weights a step does not read: all but B rows, or but the lm_head's if it is the head."""
     embed = model.model.embed_tokens.weight
-    head_rows = len(range(embed.shape[0])[model.vocab_part]) if model.cfg.tie_embeddings else 0
+    head_rows = len(range(embed.shape[0])[model.vocab_part]) if model.embedding_is_head else 0
     return (embed.shape[0] - head_rows) * embed.shape[1]
-
-
-def has_fp8_weights(model) -> bool:
-    return isinstance(model.model.layers[0].mlp.down_proj, fp8.Fp8Linear)
 
 
 def ready(policy, model):
@@ -384,7 +379,7 @@ def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[
              "attention": (timer.kv_bytes_read(filled), 4 * B * cfg.n_layers * cfg.n_heads * read * cfg.head_dim)}
     # FP8 weights at WEIGHT_ONLY_ROWS rows or fewer: fp32 multiply-adds, no tensor cores, at a rate not measured;
     # the bf16 rate stands in (at so few rows the weights' bytes bound the step either way)
-    rates = {"weights": hw.fp8_matmul_rate if has_fp8_weights(model) and B > fp8.WEIGHT_ONLY_ROWS else hw.matmul_rate,
+    rates = {"weights": hw.fp8_matmul_rate if fp8.weights_of(model) != "auto" and B > fp8.WEIGHT_ONLY_ROWS else hw.matmul_rate,
              "attention": hw.matmul_rate}
     times = {name: (n_bytes / hw.bandwidth, flops / rates[name]) for name, (n_bytes, flops) in parts.items()}
     return sum(max(t) for t in times.values()), [name for name, (memory, compute) in times.items() if compute > memory]
@@ -393,7 +388,7 @@ def step_floor(timer: StepTimer, filled: int, hw: Machine) -> tuple[float, list[
 def step_row(timer: StepTimer, filled: int, hw: Machine, **extra) -> dict:
     t = timer.seconds_per_step(filled)
     floor, compute_bound = step_floor(timer, filled, hw)
-    return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, weights="fp8" if has_fp8_weights(timer.model) else "auto",
+    return dict(policy=timer.policy, kv_dtype=timer.kv_dtype, weights=fp8.weights_of(timer.model),
                 batch=timer.batch, slots=timer.slots, kv_tokens=filled,
                 ms_per_step=t * 1e3,
                 tokens_per_s=timer.batch / t, floor_fraction=floor / t, compute_bound=compute_bound,
@@ -448,7 +443,7 @@ def bench_throughput(args, hw: Machine, model):
             ms = run_mean([r["ms_per_step"] for r in steps])
             floor_ms = run_mean([r["ms_per_step"] * r["floor_fraction"] for r in steps])
             rows.append(dict(workload="throughput", policy=policy, kv_dtype=args.kv_dtype,
-                             weights="fp8" if has_fp8_weights(model) else "auto",
+                             weights=fp8.weights_of(model),
                              batch=B, slots=slots,
                              fits=fits,
                              new_tokens=args.new_tokens, ms_per_step=ms, tokens_per_s=B / ms * 1e3,
@@ -1054,7 +1049,7 @@ def benchmark(args):
     hw = None
     if args.workload not in ("serve", "checkpoint"):  # the server's machine is measured by the server's own runs
         hw = Machine(copy_bandwidth(args.device), matmul_rate(args.device, args.dtype))
-        if model is not None and has_fp8_weights(model):  # --weights fp8, or an FP8 checkpoint
+        if model is not None and fp8.weights_of(model) != "auto":  # --weights fp8, or an FP8 checkpoint
             hw.fp8_matmul_rate = matmul_rate(args.device, fp8.FP8) if args.device.type == "cuda" else hw.matmul_rate
         fp8_rate = "" if math.isnan(hw.fp8_matmul_rate) else f" (fp8 {per_second(hw.fp8_matmul_rate, 'FLOP')})"
         print(f"{torch.cuda.get_device_name() if args.device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "

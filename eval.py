@@ -418,9 +418,9 @@ def run_file(out_dir: Path, data: str, policy: str, budget: int | None, rule: st
 
 def run_name(policy: str, budget: int | None, rule: str, sep=":", kv_dtype: str = "auto", weights: str = "auto") -> str:
     """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV; then :fp8 for an FP8
-    cache and :fp8-weights for FP8 weights."""
+    cache and :fp8-weights (:fp8-layers-weights) for FP8 weights."""
     return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []) +
-                    (["fp8"] if kv_dtype == "fp8" else []) + (["fp8-weights"] if weights == "fp8" else []))
+                    (["fp8"] if kv_dtype == "fp8" else []) + ([f"{weights}-weights"] if weights != "auto" else []))
 
 
 ROW_KEYS = ("index", "sample", "correct", "tokens", "budget_full")  # what resuming and summaries read of a row
@@ -878,7 +878,8 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
 
 def policy_label(summary: dict) -> str:
     rule = summary["prompt_compression"]
-    fp8 = (" fp8" if summary.get("kv_dtype") == "fp8" else "") + (" fp8-weights" if summary.get("weights") == "fp8" else "")
+    weights = summary.get("weights", "auto")
+    fp8 = (" fp8" if summary.get("kv_dtype") == "fp8" else "") + (f" {weights}-weights" if weights != "auto" else "")
     return summary["policy"] + fp8 + ("" if rule == "snapkv" else f" ({rule} prompts)")
 
 
@@ -939,6 +940,7 @@ def fidelity_main(argv):
 
 def parse_fidelity_args(argv):
     from cli import Parser, positive_int
+    from model import WEIGHTS
     p = Parser(prog="eval.py fidelity", description="Teacher-forced fidelity of KV-cache policies to the full "
                "cache: NLL increase, top-1 agreement, KL, free generation.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
@@ -958,9 +960,10 @@ def parse_fidelity_args(argv):
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                    help="the compared runs' KV cache (the reference stays in the model's dtype); with fp8, "
                         "`full` is a run too: every token kept, in FP8")
-    p.add_argument("--weights", default="auto", choices=["auto", "fp8"],
-                   help="the compared runs' linear weights (the reference keeps the checkpoint's): fp8 quantizes them "
-                        "at load into FP8 blocks (fp8.py); then `full` is a run too")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="the compared runs' linear weights (the reference keeps the checkpoint's): fp8 quantizes the "
+                        "layers' and the LM head's at load into FP8 blocks (fp8.py), fp8-layers the layers' only; then "
+                        "`full` is a run too")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -997,9 +1000,9 @@ def run_fidelity(args):
         load = lambda weights: tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
                                             allow_long_context=args.allow_long_context, weights=weights)
         llm = load("auto")
-        if args.weights == "fp8" and llm.model.cfg.fp8_blocks:
-            raise ValueError("--weights fp8: this checkpoint's weights are FP8 blocks already, so the runs would be "
-                             "the reference; drop --weights")
+        if args.weights == "fp8-layers" and llm.model.cfg.fp8_blocks:
+            raise ValueError("--weights fp8-layers: this checkpoint's layers are FP8 blocks already, so the runs "
+                             "would be the reference; drop --weights or quantize the LM head too (--weights fp8)")
         runs_model = llm.model if args.weights == "auto" else load(args.weights).model  # the compared runs' weights
         if "self" in args.texts:  # the model's answers are asked through its chat template
             check_chat_template(llm, args.model)
@@ -1243,6 +1246,7 @@ def interrupted(what: str):
 
 def parse_args(argv):
     from cli import Parser, non_negative_int, positive_int
+    from model import WEIGHTS
     p = Parser(prog="eval.py", description="Accuracy of KV-cache policies on reasoning benchmarks "
                "(and `eval.py fidelity --help`: fidelity to the full cache).")
     p.add_argument("--model", default="Qwen/Qwen3-8B")
@@ -1270,9 +1274,10 @@ def parse_args(argv):
     p.add_argument("--out", default="runs", help="folder for the JSONL, summary and table")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache's storage: auto (the model's dtype) or fp8 (its runs' files end in _fp8)")
-    p.add_argument("--weights", default="auto", choices=["auto", "fp8"],
-                   help="the linear weights: auto (as the checkpoint stores them) or fp8 (quantized at load into FP8 "
-                        "blocks; its runs' files end in _fp8-weights)")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="the linear weights: auto (as the checkpoint stores them), fp8 (the layers' and the LM head's "
+                        "quantized at load into FP8 blocks; its runs' files end in _fp8-weights) or fp8-layers (the "
+                        "LM head as stored; _fp8-layers-weights)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",

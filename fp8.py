@@ -28,8 +28,8 @@ import kernel
 from kernel import CAN_LAUNCH, FP8, FP8_MAX, tl, triton
 
 BLOCK = 128  # the format's weight_block_size, both ways
-QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # every layer's linears; embedding, norms and
-# lm_head stay as the checkpoint stores them
+QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # every layer's linears; the embedding and the
+# norms stay as the checkpoint stores them, the LM head too unless asked (quantize_head)
 
 
 # ---- the format ------------------------------------------------------------------------------------------
@@ -132,15 +132,19 @@ class Fp8Linear(nn.Module):
     def of(cls, linear: nn.Linear, sizes: list[int] | None = None) -> "Fp8Linear":
         """A 16-bit linear layer quantized, each part of a fused one (sizes) in blocks of its own, as an FP8
         checkpoint stores them."""
-        w = linear.weight
+        return cls.of_weight(linear.weight, linear.bias, sizes)
+
+    @classmethod
+    def of_weight(cls, w: Tensor, bias: Tensor | None = None, sizes: list[int] | None = None) -> "Fp8Linear":
+        """Fp8Linear.of for a weight [N, K] (and bias [N]) given as tensors."""
         sizes = sizes or [w.shape[0]]
-        new = cls(w.shape[1], sizes, linear.bias is not None, w.dtype, w.device)
+        new = cls(w.shape[1], sizes, bias is not None, w.dtype, w.device)
         parts = [quantize_blocks(part) for part in w.detach().split(sizes)]
         with torch.no_grad():
             new.weight.copy_(torch.cat([values for values, _ in parts]))
             new.weight_scale_inv.copy_(torch.cat([scale for _, scale in parts]))
-            if linear.bias is not None:
-                new.bias.copy_(linear.bias)
+            if bias is not None:
+                new.bias.copy_(bias)
         return new
 
     def forward(self, x):
@@ -160,6 +164,32 @@ def place(model, device):
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.row_block = row_blocks(module.sizes, device)
+
+
+def quantize(model, weights: str, stored_blocks: bool = False):
+    """The model's weights as `weights` says (model.WEIGHTS): "fp8-layers", the layers' linears quantized into FP8
+    blocks (unless the checkpoint stored them so: stored_blocks); "fp8", the LM head too; "auto", as they are."""
+    if weights != "auto" and not stored_blocks:
+        convert(model, quantize=True)
+    if weights == "fp8":
+        quantize_head(model)
+    return model
+
+
+def weights_of(model) -> str:
+    """What quantize made of the model: "fp8", "fp8-layers" or "auto" (its name in benchmarks' and runs' files)."""
+    if not isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear):
+        return "auto"
+    return "fp8" if isinstance(getattr(model, "lm_head", None), Fp8Linear) else "fp8-layers"
+
+
+def quantize_head(model):
+    """The LM head in FP8 blocks too (weights="fp8"): at one row it reads a byte a weight instead of two. A head
+    tied to the embedding gets a quantized copy of the rows it uses; the embedding's lookup stays 16-bit."""
+    tied = "lm_head" not in model._modules
+    w = model.model.embed_tokens.weight[model.vocab_part] if tied else model.lm_head.weight  # [V, hidden]
+    model.lm_head = Fp8Linear.of_weight(w)
+    return model
 
 
 def convert(model, quantize: bool):

@@ -306,7 +306,7 @@ class Transformer(nn.Module):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.vocab_part = tp.part(cfg.vocab_size)  # the lm_head rows of this rank (all of them without TP)
+        self.vocab_part = tp.vocab_part(cfg.vocab_size)  # the lm_head rows of this rank (all of them without TP)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, len(range(cfg.vocab_size)[self.vocab_part]), bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg, "cpu"), persistent=False)
@@ -337,8 +337,18 @@ class Transformer(nn.Module):
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, hidden]
         x = self.model.norm(x)
-        head = self.model.embed_tokens.weight[self.vocab_part] if self.cfg.tie_embeddings else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size).float()
+        return self.tp.gather_vocab(self.head(x), self.cfg.vocab_size).float()
+
+    def head(self, x):
+        """The LM head, this rank's rows of the vocabulary: [..., hidden] -> [..., V]. Tied to the embedding unless
+        the model has a head of its own (an untied checkpoint's, or a quantized copy: fp8.quantize_head)."""
+        if self.embedding_is_head:
+            return F.linear(x, self.model.embed_tokens.weight[self.vocab_part])
+        return self.lm_head(x)
+
+    @property
+    def embedding_is_head(self) -> bool:
+        return "lm_head" not in self._modules
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -506,7 +516,7 @@ def read_part(f, name: str, shape, model: Transformer) -> torch.Tensor:
     stored = f.get_slice(name)
     whole = list(shape)
     whole[dim] = units * size
-    part = model.tp.part(units)
+    part = model.tp.vocab_part(units) if name == "lm_head.weight" else model.tp.part(units)
     at = slice(part.start * size, part.stop * size)
     if name.endswith("weight_scale_inv"):  # FP8 blocks: a rank's rows or columns are whole blocks (fp8.check_split)
         whole[dim], at = -(-whole[dim] // fp8.BLOCK), slice(at.start // fp8.BLOCK, -(-at.stop // fp8.BLOCK))
@@ -724,7 +734,8 @@ def plural(n: int, word: str) -> str:
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # what weights load in
-WEIGHTS = ("auto", "fp8")  # as stored, or the layers' linear weights quantized into FP8 blocks at load (fp8.py)
+# as stored; the layers' linear weights and the LM head quantized into FP8 blocks at load (fp8.py); the layers' only
+WEIGHTS = ("auto", "fp8", "fp8-layers")
 
 
 def pick_device(device: str | None, dtype: str | torch.dtype | None):
@@ -752,19 +763,18 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
 
 def load(name: str | None, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
     """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer.
-    weights: "auto", the layers' weights as the checkpoint stores them (16-bit, or FP8 blocks), or "fp8",
-    16-bit ones quantized into FP8 blocks as they load."""
+    weights: "auto", the weights as the checkpoint stores them (16-bit, or the layers' linears in FP8 blocks);
+    "fp8-layers", 16-bit layers quantized into FP8 blocks as they load; "fp8", the LM head quantized too."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     folder = resolve(name)
     cfg = Config.from_dict(read_json(folder, "config.json"))
     tokenizer = Tokenizer(folder, cfg)  # first: a tokenizer the model cannot use is refused before the weights load
-    fp8_weights = cfg.fp8_blocks or weights == "fp8"
+    fp8_weights = cfg.fp8_blocks or weights != "auto"
     if fp8_weights:
         fp8.check_split(cfg, tp)
     model = empty_model(cfg, device, dtype, tp, fp8_blocks=cfg.fp8_blocks)  # FP8: filled from the blocks
     load_weights(model, folder, device, dtype)
-    if fp8_weights and not cfg.fp8_blocks:
-        fp8.convert(model, quantize=True)
+    fp8.quantize(model, weights, stored_blocks=cfg.fp8_blocks)
     model.folder = folder  # a policy that needs data of this model's own finds it by the checkpoint (Policy.for_model)
     return model, tokenizer

@@ -8,8 +8,8 @@ LOCAL_RANK:
 Tensor parallel, as Megatron-LM splits a transformer: each rank holds H_kv / N of the KV heads with their
 query heads (the rows of q/k/v_proj, the columns of o_proj) and 1 / N of the MLP (the rows of gate/up_proj,
 the columns of down_proj), so a layer needs one all-reduce (sum) after o_proj and one after down_proj. A
-rank keeps the cache slots of its own KV heads. The lm_head is split by vocabulary rows and its logits
-gathered (concatenated: exact); the input embedding is replicated (a step reads only B of its rows, and
+rank keeps the cache slots of its own KV heads. The lm_head is split by vocabulary rows, each rank's starting at a
+multiple of 128 (VOCAB_ROWS), and its logits gathered (concatenated: exact); the input embedding is replicated (a step reads only B of its rows, and
 splitting it would cost an all-reduce). Rules that decide per layer on the mean over every head (longflow,
 tova) average the ranks' per-slot partial scores with one more all-reduce, so that every rank evicts the
 same slot; per-KV-head rules need nothing from the other ranks, nor does streaming (the oldest position is
@@ -26,6 +26,11 @@ import torch.distributed._functional_collectives as funcol
 
 # torch >= 2.12 names it all_gather_single (all_gather_tensor, the same function, is deprecated there)
 all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+# each rank's share of the vocabulary starts at a multiple of this: an FP8 LM head's blocks of 128 rows (fp8.py) are
+# then each within one rank, quantized as one process quantizes them
+VOCAB_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -50,14 +55,21 @@ class Group:
         one length for the all-gather, then cut back)."""
         if self.size == 1:
             return logits
-        part = -(-vocab // self.size)
-        padded = torch.nn.functional.pad(logits, (0, part - logits.shape[-1]))
+        padded = torch.nn.functional.pad(logits, (0, self.share(vocab, VOCAB_ROWS) - logits.shape[-1]))
         return all_gather(padded.contiguous(), logits.dim() - 1, dist.group.WORLD)[..., :vocab]
 
-    def part(self, n: int) -> slice:
-        """This rank's share of n things in a row (the last shares may be shorter; n >= size)."""
-        step = -(-n // self.size)
+    def part(self, n: int, multiple: int = 1) -> slice:
+        """This rank's share of n things in a row (the last shares may be shorter or empty; n >= size)."""
+        step = self.share(n, multiple)
         return slice(min(n, self.rank * step), min(n, (self.rank + 1) * step))
+
+    def vocab_part(self, vocab: int) -> slice:
+        """This rank's rows of the LM head."""
+        return self.part(vocab, VOCAB_ROWS)
+
+    def share(self, n: int, multiple: int = 1) -> int:
+        """The most of n things a rank holds: n / size rounded up to a multiple of `multiple`."""
+        return -(-(-(-n // self.size)) // multiple) * multiple
 
     def smallest(self, n: int) -> int:
         """The least of every rank's n (host side: batch sizes every rank can hold)."""

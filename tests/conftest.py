@@ -189,7 +189,7 @@ def checkpoints(tmp_path_factory, tinyflow_cache):
 def tp_checkpoints(checkpoints, tmp_path_factory):
     """For tensor parallel over two ranks: Qwen3 (2 KV heads, GQA 2:1, tied embeddings), Qwen2 (4 KV heads, 1:1,
     qkv bias), a Llama of 2 KV heads (GQA 2:1, sharded files) with an odd vocabulary (321: the lm_head
-    splits 161 / 160), and a Qwen3 whose FP8 weights' 128 x 128 blocks split whole (4 KV heads of 64: 128 rows
+    splits 256 / 65, a rank's rows starting at a multiple of 128), and a Qwen3 whose FP8 weights' 128 x 128 blocks split whole (4 KV heads of 64: 128 rows
     of q, k, v and the MLP per rank), quantized at load ("qwen3-fp8") and stored in the format with fp32
     factors, as tinyflow keeps them ("qwen3-fp8-stored")."""
     root = tmp_path_factory.mktemp("tp")

@@ -129,5 +129,5 @@ def test_fp8_weights_of_a_checkpoint_stored_in_fp8_are_refused(checkpoints, tmp_
     from conftest import write_fp8_checkpoint
     folder = write_fp8_checkpoint(checkpoints["qwen3"], tmp_path / "fp8", tmp_path / "values")
     with pytest.raises(SystemExit) as stop:
-        fidelity(folder, tmp_path / "fid", "longflow:40", extra=["--weights", "fp8"])
-    assert stop.value.code == 2 and "weights are FP8 blocks already" in capsys.readouterr().err
+        fidelity(folder, tmp_path / "fid", "longflow:40", extra=["--weights", "fp8-layers"])
+    assert stop.value.code == 2 and "layers are FP8 blocks already" in capsys.readouterr().err
