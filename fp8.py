@@ -186,8 +186,7 @@ def weights_of(model) -> str:
 def quantize_head(model):
     """The LM head in FP8 blocks too (weights="fp8"): at one row it reads a byte a weight instead of two. A head
     tied to the embedding gets a quantized copy of the rows it uses; the embedding's lookup stays 16-bit."""
-    tied = "lm_head" not in model._modules
-    w = model.model.embed_tokens.weight[model.vocab_part] if tied else model.lm_head.weight  # [V, hidden]
+    w = model.model.embed_tokens.weight[model.vocab_part] if model.embedding_is_head else model.lm_head.weight  # [V, K]
     model.lm_head = Fp8Linear.of_weight(w)
     return model
 

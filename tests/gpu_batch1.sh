@@ -6,6 +6,9 @@
 #                                      # not: fp8-layers) and before/'s, batch BATCHES (default "1 4 16")
 #     bash tests/gpu_batch1.sh bf16    # bench.py step, bf16 weights, this tree
 #     bash tests/gpu_batch1.sh sweep   # the fused kernel's launch at few rows (tests/gpu_attention_sweep.py)
+#     bash tests/gpu_batch1.sh serve   # one user of server.py (--weights fp8): TPOT against the step at batch 1
+#     bash tests/gpu_batch1.sh ties    # which of equal values torch.topk keeps on this GPU (LazyEviction's ties)
+# serve needs starlette and uvicorn, which the GPU machine lacks: their wheels in .whl/ (README of the device tool).
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 set -u
@@ -31,6 +34,24 @@ for part in "$@"; do
     step . fp8-layers --batch ${BATCHES:-1 4 16} --weights fp8-layers ;;
   bf16)
     step . bf16 --batch ${BATCHES:-1 4 16} ;;
+  serve)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $log 2>&1
+    export PYTHONPATH=/tmp/site
+    python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
+    python server.py --model /dev/shm/q8 --budget 3200 --weights fp8 > $OUT/server.txt 2>&1 &
+    server=$!
+    for _ in $(seq 300); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+    timeout 90 python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936 --requests 6 --rate 0.25 \
+      --json $OUT/serve_one.json >> $log 2>&1
+    echo "serve one rc=$?" >> $log
+    kill -INT $server; for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
+    kill -KILL $server 2>/dev/null; cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+  ties)
+    python -c "import torch; x = torch.ones(1, 1, 100, device='cuda', dtype=torch.float16)
+print('topk of 100 equal values, k=50, kept:', sorted(x.topk(50, dim=-1)[1][0, 0].tolist()))" >> $log 2>&1 ;;
+  graph)
+    timeout ${TESTS_S:-150} python -m pytest -q tests/test_fp8.py -p no:cacheprovider -k "graph_replayed" >> $log 2>&1
+    echo "fp8 graph tests rc=$?" >> $log ;;
   sweep)
     timeout ${SWEEP_S:-240} python tests/gpu_attention_sweep.py --batch ${BATCHES:-1 4 16} --json $OUT/sweep.json \
       >> $log 2>&1
