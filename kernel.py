@@ -489,7 +489,7 @@ def _as_torch_op(fn):
 def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, decay, state, limit, vnorm, k_scale,
                    v_scale, partial, v_top):
     """The op's results as empty tensors of their shapes: out [B, H_q, D], and the partial scores [B, S] fp32 or
-    the chosen slot [B, H_kv] int64."""
+    the winning (score, slot) key [B, H_kv] int64."""
     B, H_kv, S = pos.shape
     second = q.new_empty(B, S, dtype=torch.float32) if partial else q.new_empty(B, H_kv, dtype=torch.int64)
     return q.new_empty(q.shape), second
@@ -513,8 +513,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
                          v_scale: Optional[Tensor], partial: bool, v_top: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     # value_norm, decay: the Scoring's fields. state is an optional in-place argument (the inferred schema reads
     # `Tensor(a!)? state`, which torch.compile functionalises like any mutated input; None: nothing mutated).
-    # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score; with
-    # selection, one torch op to unpack the slots (under torch.compile it fuses into whatever reads evict).
+    # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score.
     # the bytes each launch moves, for checking GPU timings: docs/performance.md, "Kernel launch settings"
     B, H_q, D = q.shape
     _, H_kv, S, _ = k.shape
@@ -566,7 +565,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
             num_warps=_finish_warps(split, H_kv, G, CHUNK))
     if partial:
         return out, part
-    return out, key & 0xFFFFFFFF if select else key  # the slot is the low half of the winning key
+    return out, key  # with selection, the winning (score, slot) key: decode_attention unpacks the slot
 
 
 def check_support(device: torch.device, head_dim: int, kv_dtype=None):
@@ -602,5 +601,9 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
     if partial and per_head:
         raise ValueError("the kernel's partial scores are per layer (per_head=False)")
     check_state(scoring, state, partial, select)
-    return torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select, scoring.value_norm,
-                                               scoring.decay, state, limit, vnorm, k_scale, v_scale, partial, v_top)
+    out, second = torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select,
+                                                      scoring.value_norm, scoring.decay, state, limit, vnorm, k_scale,
+                                                      v_scale, partial, v_top)
+    # the slot is the low half of the winning key, unpacked here, outside the op: inside it, it would be an eager
+    # launch of its own; here the compiler fuses it into whatever reads the slot
+    return out, second & 0xFFFFFFFF if select and not partial else second
