@@ -5,6 +5,8 @@
 #     bash tests/gpu_batch1.sh step    # bench.py step with FP8 weights: this tree's (the LM head quantized too, and
 #                                      # not: fp8-layers) and before/'s, batch BATCHES (default "1 4 16")
 #     bash tests/gpu_batch1.sh bf16    # bench.py step, bf16 weights, this tree
+#     bash tests/gpu_batch1.sh ab      # the graph-replayed step against eager (longflow); bench.py step of this tree
+#                                      # and before/'s in turn, FP8 weights then bf16, batch BATCHES
 #     bash tests/gpu_batch1.sh sweep   # the fused kernel's launch at few rows (tests/gpu_attention_sweep.py)
 #     bash tests/gpu_batch1.sh serve   # one user of server.py (--weights fp8): TPOT against the step at batch 1
 #     bash tests/gpu_batch1.sh ties    # which of equal values torch.topk keeps on this GPU (LazyEviction's ties)
@@ -34,6 +36,14 @@ for part in "$@"; do
     step . fp8-layers --batch ${BATCHES:-1 4 16} --weights fp8-layers ;;
   bf16)
     step . bf16 --batch ${BATCHES:-1 4 16} ;;
+  ab)
+    timeout ${TESTS_S:-150} python -m pytest -q tests/test_generate.py -p no:cacheprovider \
+      -k "cuda_graph_replay and longflow" >> $log 2>&1
+    echo "graph tests rc=$?" >> $log
+    for w in ${WEIGHTS:-fp8 auto}; do
+      step . $w-after --batch ${BATCHES:-1 4 16} --weights $w
+      step before $w-before --batch ${BATCHES:-1 4 16} --weights $w
+    done ;;
   serve)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $log 2>&1
     export PYTHONPATH=/tmp/site
