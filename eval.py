@@ -876,6 +876,12 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
             "equal_share": sum(equal) / len(equal)}
 
 
+def head_setting(weights: str) -> dict:
+    """A setting of runs with a quantized LM head: before 2026-12-07 `--weights fp8` quantized the layers only,
+    under the same file names, so such files must not pass for these runs (resumed or reused)."""
+    return {"lm_head": "fp8"} if weights == "fp8" else {}
+
+
 def policy_label(summary: dict) -> str:
     rule = summary["prompt_compression"]
     weights = summary.get("weights", "auto")
@@ -1014,7 +1020,8 @@ def run_fidelity(args):
                                                    "tokens", "measure_last", "free_tokens", "seed")}
         # the numbers depend on the dtype and, to rounding, the device; and on the very tokens read
         settings.update(device=llm.device.type, dtype=str(llm.dtype), texts_sha256=hashlib.sha256(
-            json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
+            json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest(),
+            **head_setting(args.weights))
         name = lambda run, sep=":": run_name(*run, sep, args.kv_dtype, args.weights)
         path = lambda *run: out_dir / f"fidelity_{name(run, '_')}.json"
         todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
@@ -1410,7 +1417,8 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
         sampling.update(top_p=1.0, top_k=0)
     settings = dict(model=args.model, data=args.data, data_sha256=digest, protocol=args.protocol, system=proto.system,
                     suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
-                    answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)
+                    answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words,
+                    **head_setting(args.weights))
     for path in paths:  # all of them before the first run: a refused one must not wait for the others to end
         parallel.on_rank0(lambda: check_settings(path, settings))  # one writer of the settings file
     summaries = []

@@ -443,6 +443,8 @@ def _as_torch_op(fn):
 def _fp8_linear_op(x: Tensor, weight: Tensor, scale_inv: Tensor, row_block: Tensor) -> Tensor:
     """The kernel for this many rows (the launch settings' comment above)."""
     x = x.contiguous()
+    if weight.shape[0] == 0:  # a tensor-parallel rank with no rows of a small vocabulary's LM head
+        return x.new_empty(x.shape[0], 0)
     if x.shape[0] <= WEIGHT_ONLY_ROWS:
         return _weight_only(x, weight, scale_inv, row_block, **WEIGHT_ONLY_LAUNCH)
     if x.shape[0] > MAX_ROWS:

@@ -71,7 +71,8 @@ class LLM:
         head: about half the bytes of bf16, so about twice the sequences fit). weights: "auto" (as the checkpoint
         stores them: 16-bit, or FP8 blocks for an FP8 checkpoint such as Qwen/Qwen3-8B-FP8), "fp8" (each layer's
         linear weights and the LM head quantized at load into e4m3 with a factor per 128 x 128 block: half their
-        bytes; fp8.py) or "fp8-layers" (the LM head kept as stored).
+        bytes; a head tied to the embedding becomes a quantized copy beside it; fp8.py) or "fp8-layers" (the LM
+        head kept as stored).
 
         Under torchrun (several processes) the model is split over them (tensor parallel, parallel.py): every
         process makes the same calls and gets the same outputs. data_parallel: under torchrun, a whole model

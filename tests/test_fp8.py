@@ -214,6 +214,16 @@ def test_more_rows_than_max_rows_are_multiplied_in_parts_all_with_quantized_acti
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)  # float32, another order
 
 
+@pytest.mark.parametrize("M", [1, 3, 64])
+def test_a_weight_of_no_rows_gives_no_columns(M):
+    """A tensor-parallel rank's FP8 head over a vocabulary smaller than 128 x (ranks - 1) has no rows: no kernel
+    runs (on a Hopper GPU, 64 rows would go to cuBLAS, not asked for an empty product)."""
+    weight, scale = torch.empty(0, 256, dtype=fp8.FP8, device=DEVICE), torch.empty(0, 2, device=DEVICE)
+    got = fp8.fp8_linear(torch.randn(M, 256, device=DEVICE), weight, scale, torch.empty(0, dtype=torch.long,
+                                                                                       device=DEVICE))
+    assert got.shape == (M, 0)
+
+
 def test_on_the_cpu_a_layer_runs_the_reference_of_the_kernel_a_gpu_would_pick():
     """Up to WEIGHT_ONLY_ROWS rows the activations as they are, above them quantized (the tensor cores' input)."""
     linear = torch.nn.Linear(256, 128, bias=False)
