@@ -303,7 +303,10 @@ class Transformer(nn.Module):
         self.full_cfg, self.cfg, self.tp = cfg, tp.shard(cfg), tp
         cfg = self.cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # its weight left uninitialised, as empty_model leaves every weight: nn.Embedding's own init on the meta
+        # device imports torch's compiler (1.3 s of every process's start)
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                               _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.model.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.vocab_part = tp.part(cfg.vocab_size)  # the lm_head rows of this rank (all of them without TP)

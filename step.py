@@ -167,7 +167,8 @@ def autotuned(model, on_cuda: bool) -> bool:
 def compiler(enabled: bool, tune: bool):
     """What the decode step's functions go through: torch.compile (fullgraph; static shapes but for the batch
     dimensions that first_rows marks; tune: autotuned too), or nothing when not enabled."""
-    keep_many_versions()
+    if enabled:  # (torch._dynamo's import is 1.3 s of a process's start that no eager run needs)
+        keep_many_versions()
     options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
     return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
