@@ -101,9 +101,11 @@ def test_fidelity_on_the_real_model_ranks_longflow_above_random_eviction(smollm2
     import eval as ev
     out = tmp_path / "fid"
     ev.main(["fidelity", "--model", str(smollm2), "--runs", "longflow:40", "random:40",
-             "--rust-texts", "1", "--self-texts", "1", "--prompt-tokens", "32", "--tokens", "64",
-             "--measure-last", "32", "--free-tokens", "4", "--out", str(out), "--device", "cpu", "--no-compile"])
-    # measured (2026-12-02): NLL increase 0.020 for longflow:40 against 1.22 for random:40, KL 0.083 against 1.01
+             "--rust-texts", "1", "--self-texts", "1", "--prompt-tokens", "32", "--tokens", "32",
+             "--measure-last", "16", "--free-tokens", "4", "--out", str(out), "--device", "cpu", "--no-compile"])
+    # the Rust text's measured predictions (of its tokens 48 to 63) all come after its 40 slots filled (at token 40).
+    # Measured: NLL increase 0.019 for longflow:40 against 1.12 for random:40, KL 0.042 against 1.06 (with 64 tokens,
+    # the last 32 measured, 2026-12-02: 0.020 against 1.22, KL 0.083 against 1.01)
     run = lambda name: json.loads((out / f"fidelity_{name}.json").read_text())
     assert run("longflow_40")["texts"] == ["rust/ch04-01-what-is-ownership", "self/math-0"]
     assert 0 < run("longflow_40")["nll_increase"] < run("random_40")["nll_increase"]
