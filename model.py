@@ -549,7 +549,9 @@ def empty_model(cfg: Config, device, dtype, tp: Group = SINGLE, fp8_blocks: bool
         model = Transformer(cfg, tp).to(dtype)
         if fp8_blocks:
             fp8.convert(model, quantize=False)
-    model = model.to_empty(device=device)
+    # to_empty's work, with torch.empty rather than its empty_like: on a meta tensor that imports torch's symbolic
+    # shapes (0.5 s of every process's start)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.inv_freq = rope_frequencies(cfg, device)  # computed, not stored: rebuild after to_empty
     fp8.place(model, device)
     return model.eval().requires_grad_(False)
