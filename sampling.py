@@ -176,7 +176,9 @@ class Sampler:
         when no row samples: the argmax alone, without sample()'s sort of the vocabulary."""
         at = slice(None) if rows is None else rows  # the decode step: every row, views rather than copies
         logits = apply_penalty(logits, self.seen[at], self.penalty[at])
-        nxt = sample_op(logits, seeds, positions, self.temperature[at], self.top_k[at], self.top_p[at]) if hot \
+        # eagerly the function itself: an op's first call imports torch's compiler (1.3 s of an eager process's start)
+        draw = sample_op if torch.compiler.is_compiling() else sample
+        nxt = draw(logits, seeds, positions, self.temperature[at], self.top_k[at], self.top_p[at]) if hot \
             else logits.argmax(-1)
         rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
         self.seen.index_put_((rows, nxt), torch.ones_like(nxt, dtype=torch.bool))

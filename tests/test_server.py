@@ -188,19 +188,25 @@ def test_a_default_sampling_setting_out_of_range_refuses_to_start_the_server(mod
                                   "(0, 1]: correct it in that file")
 
 
-def start_refused(model_dir, *options) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "server.py"), "--model", str(model_dir), "--device", "cpu",
-                           "--no-compile", *options], capture_output=True, text=True, timeout=300)
+def start_refused(model_dir, capsys, monkeypatch, *options) -> subprocess.CompletedProcess:
+    """server.py's main in this process (no process start, ~2 s, per refusal), made to fail the test if it loads
+    the model: its exit status, stdout and stderr, as a finished process's."""
+    monkeypatch.setattr(srv, "build", lambda args: pytest.fail("the model was loaded before the address was checked"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        srv.main(["--model", str(model_dir), "--device", "cpu", "--no-compile", *options])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["server.py", *options], stop.value.code, out, err)
 
 
-def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(model_dir):
+def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(model_dir, capsys, monkeypatch):
     """uvicorn binds only once the server is compiled (70 s on a GPU), then fails with its own ERROR and exit 3:
-    the address is checked first, and the model is never loaded (no 'compiling' line)."""
+    the address is checked first, and the model is never loaded."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = start_refused(model_dir, "--port", str(port))
+        r = start_refused(model_dir, capsys, monkeypatch, "--port", str(port))
     assert (r.returncode, r.stdout) == (2, ""), r.stderr
     assert r.stderr == (f"error: port {port} on 127.0.0.1 is in use (Address already in use); stop what listens "
                         f"there or give another --port\n")
@@ -209,8 +215,9 @@ def test_a_port_in_use_is_refused_in_one_line_before_the_model_loads(model_dir):
 @pytest.mark.parametrize("host, why", [("999.1.1.1", "Name or service not known"),
                                        ("192.0.2.1", "Cannot assign requested address")],  # TEST-NET-1: no one's
                          ids=["not-an-address", "not-this-machines"])
-def test_a_host_that_is_not_this_machines_is_refused_in_one_line_before_the_model_loads(model_dir, host, why):
-    r = start_refused(model_dir, "--host", host, "--port", str(free_port()))
+def test_a_host_that_is_not_this_machines_is_refused_in_one_line_before_the_model_loads(model_dir, host, why, capsys,
+                                                                                      monkeypatch):
+    r = start_refused(model_dir, capsys, monkeypatch, "--host", host, "--port", str(free_port()))
     assert (r.returncode, r.stdout) == (2, ""), r.stderr
     assert r.stderr == (f"error: --host {host} is not an address of this machine ({why}); give 127.0.0.1 (this "
                         f"machine only), 0.0.0.0 (every interface) or one of its own addresses\n")
