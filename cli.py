@@ -93,9 +93,8 @@ def add_cache_options(p: Parser):
 def add_weights_option(p: Parser):
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="the linear weights: auto (as the checkpoint stores them: 16-bit, or FP8 blocks for an "
-                        "FP8 checkpoint's layers), fp8 (the layers' and the LM head's quantized at load into e4m3 "
-                        "with a factor per 128 x 128 block: half the bytes of bf16) or fp8-layers (the LM head "
-                        "kept as stored)")
+                        "FP8 checkpoint's layers), fp8 (the layers' quantized at load into e4m3 with a factor per "
+                        "128 x 128 block: half the bytes of bf16) or fp8-all (the LM head's too)")
 
 
 # ---- refusals: options that would be ignored --------------------------------------------------------------

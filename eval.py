@@ -418,7 +418,7 @@ def run_file(out_dir: Path, data: str, policy: str, budget: int | None, rule: st
 
 def run_name(policy: str, budget: int | None, rule: str, sep=":", kv_dtype: str = "auto", weights: str = "auto") -> str:
     """longflow:3200, or longflow:3200:streaming for a prompt compression other than SnapKV; then :fp8 for an FP8
-    cache and :fp8-weights (:fp8-layers-weights) for FP8 weights."""
+    cache and :fp8-weights (:fp8-all-weights) for FP8 weights."""
     return sep.join([policy, str(budget or "all")] + ([rule] if rule != "snapkv" else []) +
                     (["fp8"] if kv_dtype == "fp8" else []) + ([f"{weights}-weights"] if weights != "auto" else []))
 
@@ -876,12 +876,6 @@ def free_generation(llm, texts: list[dict], run: tuple[str, int, str], tokens: i
             "equal_share": sum(equal) / len(equal)}
 
 
-def head_setting(weights: str) -> dict:
-    """A setting of runs with a quantized LM head: before 2026-12-07 `--weights fp8` quantized the layers only,
-    under the same file names, so such files must not pass for these runs (resumed or reused)."""
-    return {"lm_head": "fp8"} if weights == "fp8" else {}
-
-
 def policy_label(summary: dict) -> str:
     rule = summary["prompt_compression"]
     weights = summary.get("weights", "auto")
@@ -968,8 +962,7 @@ def parse_fidelity_args(argv):
                         "`full` is a run too: every token kept, in FP8")
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="the compared runs' linear weights (the reference keeps the checkpoint's): fp8 quantizes the "
-                        "layers' and the LM head's at load into FP8 blocks (fp8.py), fp8-layers the layers' only; then "
-                        "`full` is a run too")
+                        "layers' at load into FP8 blocks (fp8.py), fp8-all the LM head's too; then `full` is a run too")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -1006,9 +999,9 @@ def run_fidelity(args):
         load = lambda weights: tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
                                             allow_long_context=args.allow_long_context, weights=weights)
         llm = load("auto")
-        if args.weights == "fp8-layers" and llm.model.cfg.fp8_blocks:
-            raise ValueError("--weights fp8-layers: this checkpoint's layers are FP8 blocks already, so the runs "
-                             "would be the reference; drop --weights or quantize the LM head too (--weights fp8)")
+        if args.weights == "fp8" and llm.model.cfg.fp8_blocks:
+            raise ValueError("--weights fp8: this checkpoint's layers are FP8 blocks already, so the runs would be "
+                             "the reference; drop --weights or quantize the LM head too (--weights fp8-all)")
         runs_model = llm.model if args.weights == "auto" else load(args.weights).model  # the compared runs' weights
         if "self" in args.texts:  # the model's answers are asked through its chat template
             check_chat_template(llm, args.model)
@@ -1020,8 +1013,7 @@ def run_fidelity(args):
                                                    "tokens", "measure_last", "free_tokens", "seed")}
         # the numbers depend on the dtype and, to rounding, the device; and on the very tokens read
         settings.update(device=llm.device.type, dtype=str(llm.dtype), texts_sha256=hashlib.sha256(
-            json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest(),
-            **head_setting(args.weights))
+            json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
         name = lambda run, sep=":": run_name(*run, sep, args.kv_dtype, args.weights)
         path = lambda *run: out_dir / f"fidelity_{name(run, '_')}.json"
         todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
@@ -1282,9 +1274,9 @@ def parse_args(argv):
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache's storage: auto (the model's dtype) or fp8 (its runs' files end in _fp8)")
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
-                   help="the linear weights: auto (as the checkpoint stores them), fp8 (the layers' and the LM head's "
-                        "quantized at load into FP8 blocks; its runs' files end in _fp8-weights) or fp8-layers (the "
-                        "LM head as stored; _fp8-layers-weights)")
+                   help="the linear weights: auto (as the checkpoint stores them), fp8 (the layers' quantized at load "
+                        "into FP8 blocks; its runs' files end in _fp8-weights) or fp8-all (the LM head's too; "
+                        "_fp8-all-weights)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--allow-long-context", action="store_true",
@@ -1417,8 +1409,7 @@ def evaluate_runs(args, proto: Protocol, runs: list, items: list[dict], paths: l
         sampling.update(top_p=1.0, top_k=0)
     settings = dict(model=args.model, data=args.data, data_sha256=digest, protocol=args.protocol, system=proto.system,
                     suffix=proto.suffix, max_new_tokens=proto.max_new_tokens, prompt_tokens=proto.prompt_tokens,
-                    answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words,
-                    **head_setting(args.weights))
+                    answer=proto.answer, sampling=sampling, seed=args.seed, retrieval_words=args.retrieval_words)
     for path in paths:  # all of them before the first run: a refused one must not wait for the others to end
         parallel.on_rank0(lambda: check_settings(path, settings))  # one writer of the settings file
     summaries = []

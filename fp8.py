@@ -29,7 +29,7 @@ from kernel import CAN_LAUNCH, FP8, FP8_MAX, tl, triton
 
 BLOCK = 128  # the format's weight_block_size, both ways
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # every layer's linears; the embedding and the
-# norms stay as the checkpoint stores them, the LM head too unless asked (quantize_head)
+# norms stay as the checkpoint stores them, the LM head too unless asked (quantize_head), as Qwen's FP8 checkpoints
 
 
 # ---- the format ------------------------------------------------------------------------------------------
@@ -167,24 +167,24 @@ def place(model, device):
 
 
 def quantize(model, weights: str, stored_blocks: bool = False):
-    """The model's weights as `weights` says (model.WEIGHTS): "fp8-layers", the layers' linears quantized into FP8
-    blocks (unless the checkpoint stored them so: stored_blocks); "fp8", the LM head too; "auto", as they are."""
+    """The model's weights as `weights` says (model.WEIGHTS): "fp8", the layers' linears quantized into FP8 blocks
+    (unless the checkpoint stored them so: stored_blocks); "fp8-all", the LM head too; "auto", as they are."""
     if weights != "auto" and not stored_blocks:
         convert(model, quantize=True)
-    if weights == "fp8":
+    if weights == "fp8-all":
         quantize_head(model)
     return model
 
 
 def weights_of(model) -> str:
-    """What quantize made of the model: "fp8", "fp8-layers" or "auto" (its name in benchmarks' and runs' files)."""
+    """What quantize made of the model: "fp8-all", "fp8" or "auto" (its name in benchmarks' and runs' files)."""
     if not isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear):
         return "auto"
-    return "fp8" if isinstance(getattr(model, "lm_head", None), Fp8Linear) else "fp8-layers"
+    return "fp8-all" if isinstance(getattr(model, "lm_head", None), Fp8Linear) else "fp8"
 
 
 def quantize_head(model):
-    """The LM head in FP8 blocks too (weights="fp8"): at one row it reads a byte a weight instead of two. A head
+    """The LM head in FP8 blocks too (weights="fp8-all"): at one row it reads a byte a weight instead of two. A head
     tied to the embedding gets a quantized copy of the rows it uses; the embedding's lookup stays 16-bit."""
     w = model.model.embed_tokens.weight[model.vocab_part] if model.embedding_is_head else model.lm_head.weight  # [V, K]
     model.lm_head = Fp8Linear.of_weight(w)

@@ -739,8 +739,9 @@ def plural(n: int, word: str) -> str:
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # what weights load in
-# as stored; the layers' linear weights and the LM head quantized into FP8 blocks at load (fp8.py); the layers' only
-WEIGHTS = ("auto", "fp8", "fp8-layers")
+# as stored; the layers' linear weights quantized into FP8 blocks at load (fp8.py), as Qwen's FP8 checkpoints hold
+# them; those and the LM head
+WEIGHTS = ("auto", "fp8", "fp8-all")
 
 
 def pick_device(device: str | None, dtype: str | torch.dtype | None):
@@ -769,7 +770,7 @@ def pick_device(device: str | None, dtype: str | torch.dtype | None):
 def load(name: str | None, device, dtype, tp: Group = SINGLE, weights: str = "auto") -> tuple[Transformer, Tokenizer]:
     """The model (under tensor parallel: this rank's part, read from the files alone) and its tokenizer.
     weights: "auto", the weights as the checkpoint stores them (16-bit, or the layers' linears in FP8 blocks);
-    "fp8-layers", 16-bit layers quantized into FP8 blocks as they load; "fp8", the LM head quantized too."""
+    "fp8", 16-bit layers quantized into FP8 blocks as they load; "fp8-all", the LM head quantized too."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     folder = resolve(name)

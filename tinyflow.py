@@ -70,9 +70,8 @@ class LLM:
         kv_dtype: "auto" (K and V in the model's dtype) or "fp8" (float8 e4m3 and a scale per token and KV
         head: about half the bytes of bf16, so about twice the sequences fit). weights: "auto" (as the checkpoint
         stores them: 16-bit, or FP8 blocks for an FP8 checkpoint such as Qwen/Qwen3-8B-FP8), "fp8" (each layer's
-        linear weights and the LM head quantized at load into e4m3 with a factor per 128 x 128 block: half their
-        bytes; a head tied to the embedding becomes a quantized copy beside it; fp8.py) or "fp8-layers" (the LM
-        head kept as stored).
+        linear weights quantized at load into e4m3 with a factor per 128 x 128 block: half their bytes; fp8.py)
+        or "fp8-all" (the LM head too; a head tied to the embedding becomes a quantized copy beside it).
 
         Under torchrun (several processes) the model is split over them (tensor parallel, parallel.py): every
         process makes the same calls and gets the same outputs. data_parallel: under torchrun, a whole model

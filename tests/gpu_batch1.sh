@@ -2,13 +2,13 @@
 # On a GPU machine (issue 44: one user at the bandwidth floor), results into $OUT, every log line into $OUT/log.txt.
 # Parts, in one device call or several:
 #     bash tests/gpu_batch1.sh tests   # fp8.py's tests on the GPU
-#     bash tests/gpu_batch1.sh step    # bench.py step with FP8 weights: this tree's (the LM head quantized too, and
-#                                      # not: fp8-layers) and before/'s, batch BATCHES (default "1 4 16")
+#     bash tests/gpu_batch1.sh step    # bench.py step with FP8 weights: this tree's (the LM head quantized too:
+#                                      # fp8-all, and not) and before/'s, batch BATCHES (default "1 4 16")
 #     bash tests/gpu_batch1.sh bf16    # bench.py step, bf16 weights, this tree
 #     bash tests/gpu_batch1.sh ab      # the graph-replayed step against eager (longflow); bench.py step of this tree
 #                                      # and before/'s in turn, FP8 weights then bf16, batch BATCHES
 #     bash tests/gpu_batch1.sh sweep   # the fused kernel's launch at few rows (tests/gpu_attention_sweep.py)
-#     bash tests/gpu_batch1.sh serve   # one user of server.py (--weights fp8): TPOT against the step at batch 1
+#     bash tests/gpu_batch1.sh serve   # one user of server.py (--weights fp8-all): TPOT against the step at batch 1
 #     bash tests/gpu_batch1.sh ties    # which of equal values torch.topk keeps on this GPU (LazyEviction's ties)
 # serve needs starlette and uvicorn, which the GPU machine lacks: their wheels in .whl/ (README of the device tool).
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
@@ -31,16 +31,16 @@ for part in "$@"; do
     timeout ${TESTS_S:-150} python -m pytest -q tests/test_fp8.py -p no:cacheprovider >> $log 2>&1
     echo "fp8 tests rc=$?" >> $log ;;
   step)
-    step . fp8 --batch ${BATCHES:-1 4 16} --weights fp8 --profile
+    step . fp8-all --batch ${BATCHES:-1 4 16} --weights fp8-all --profile
     step before before-fp8 --batch ${BATCHES:-1 4 16} --weights fp8
-    step . fp8-layers --batch ${BATCHES:-1 4 16} --weights fp8-layers ;;
+    step . fp8 --batch ${BATCHES:-1 4 16} --weights fp8 ;;
   bf16)
     step . bf16 --batch ${BATCHES:-1 4 16} ;;
   ab)
     timeout ${TESTS_S:-150} python -m pytest -q tests/test_generate.py -p no:cacheprovider \
       -k "cuda_graph_replay and longflow" >> $log 2>&1
     echo "graph tests rc=$?" >> $log
-    for w in ${WEIGHTS:-fp8 auto}; do
+    for w in ${WEIGHTS:-fp8-all auto}; do
       step . $w-after --batch ${BATCHES:-1 4 16} --weights $w
       step before $w-before --batch ${BATCHES:-1 4 16} --weights $w
     done ;;
@@ -48,7 +48,7 @@ for part in "$@"; do
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $log 2>&1
     export PYTHONPATH=/tmp/site
     python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
-    python server.py --model /dev/shm/q8 --budget 3200 --weights fp8 > $OUT/server.txt 2>&1 &
+    python server.py --model /dev/shm/q8 --budget 3200 --weights fp8-all > $OUT/server.txt 2>&1 &
     server=$!
     for _ in $(seq 300); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
     timeout 90 python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936 --requests 6 --rate 0.25 \

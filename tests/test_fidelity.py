@@ -122,12 +122,6 @@ def test_fp8_weight_runs_are_measured_against_the_checkpoints_weights_the_full_o
     assert full["weights"] == small["weights"] == "fp8" and full["budget"] is None
     assert 0 < full["kl"] < small["kl"]  # quantizing the weights costs a little, evicting as well costs more
     assert "| full fp8-weights | all |" in (out / "fidelity.md").read_text()
-    path = out / "fidelity_full_all_fp8-weights.json"
-    before_the_head = json.loads(path.read_text())  # as --weights fp8 wrote it when it quantized the layers only
-    del before_the_head["settings"]["lm_head"]
-    path.write_text(json.dumps(before_the_head))
-    fidelity(checkpoints["qwen3"], out, "full", extra=["--weights", "fp8"])
-    assert json.loads(path.read_text())["settings"]["lm_head"] == "fp8"  # measured again, not taken for this run
 
 
 def test_fp8_weights_of_a_checkpoint_stored_in_fp8_are_refused(checkpoints, tmp_path, capsys):
@@ -135,5 +129,5 @@ def test_fp8_weights_of_a_checkpoint_stored_in_fp8_are_refused(checkpoints, tmp_
     from conftest import write_fp8_checkpoint
     folder = write_fp8_checkpoint(checkpoints["qwen3"], tmp_path / "fp8", tmp_path / "values")
     with pytest.raises(SystemExit) as stop:
-        fidelity(folder, tmp_path / "fid", "longflow:40", extra=["--weights", "fp8-layers"])
+        fidelity(folder, tmp_path / "fid", "longflow:40", extra=["--weights", "fp8"])
     assert stop.value.code == 2 and "layers are FP8 blocks already" in capsys.readouterr().err

@@ -61,25 +61,24 @@ def test_an_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights_and_quant
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=0)  # float32 in another order, as test_model.py
 
 
-def test_weights_fp8_layers_quantizes_a_16_bit_checkpoint_into_the_blocks_an_fp8_checkpoint_holds(checkpoints,
-                                                                                                   tmp_path):
-    """--weights fp8-layers / LLM(weights="fp8-layers"): the very e4m3 values and factors of a checkpoint written in
-    the format (with fp32 factors, which fp8.py keeps)."""
+def test_weights_fp8_quantizes_a_16_bit_checkpoint_into_the_blocks_an_fp8_checkpoint_holds(checkpoints, tmp_path):
+    """--weights fp8 / LLM(weights="fp8"): the very e4m3 values and factors of a checkpoint written in the format
+    (with fp32 factors, which fp8.py keeps)."""
     folder = write_fp8_checkpoint(checkpoints["llama"], tmp_path / "fp8", tmp_path / "values", torch.float32)
-    quantized, _ = load(str(checkpoints["llama"]), torch.device("cpu"), torch.float32, weights="fp8-layers")
+    quantized, _ = load(str(checkpoints["llama"]), torch.device("cpu"), torch.float32, weights="fp8")
     stored, _ = load(str(folder), torch.device("cpu"), torch.float32)
     for (name, a), (_, b) in zip(quantized.named_parameters(), stored.named_parameters()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8.FP8 else torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"], ids=["tied-head", "own-head"])
-def test_weights_fp8_quantizes_the_lm_head_too_and_a_tied_embedding_stays_as_stored(checkpoints, arch):
-    """--weights fp8: the layers as fp8-layers quantizes them, and the head in blocks of its own (a tied one: the
+def test_weights_fp8_all_quantizes_the_lm_head_too_and_a_tied_embedding_stays_as_stored(checkpoints, arch):
+    """--weights fp8-all: the layers as fp8 quantizes them, and the head in blocks of its own (a tied one: the
     embedding's rows, quantized into a copy); the logits are those of the dequantized head."""
     folder = str(checkpoints[arch])
-    layers, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8-layers")
-    both, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8")
-    assert fp8.weights_of(layers) == "fp8-layers" and fp8.weights_of(both) == "fp8"
+    layers, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8")
+    both, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8-all")
+    assert fp8.weights_of(layers) == "fp8" and fp8.weights_of(both) == "fp8-all"
     stored_head = layers.model.embed_tokens.weight if arch == "qwen3" else layers.lm_head.weight
     assert layers.embedding_is_head == (arch == "qwen3") and not both.embedding_is_head
     values, scale = fp8.quantize_blocks(stored_head)

@@ -92,9 +92,9 @@ def tp_job(tp, checkpoints, folder):
 
 
 def weights(arch: str) -> str:
-    # -fp8-stored: the checkpoint's own FP8 blocks. The LM head stays as stored: an FP8 one makes near ties of this
-    # tiny model's logits that the ranks' order of sums tips (its split: test_each_ranks_fp8_lm_head_is_its_rows...)
-    return "fp8-layers" if arch.endswith("-fp8") else "auto"
+    # -fp8-stored: the checkpoint's own FP8 blocks. The LM head stays as stored (an FP8 one, fp8-all, makes near
+    # ties of this tiny model's logits that the ranks' order of sums tips; its split: test_each_ranks_fp8_lm_head...)
+    return "fp8" if arch.endswith("-fp8") else "auto"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -108,7 +108,7 @@ def test_two_ranks_compute_what_one_process_computes(runs, tp_checkpoints, arch)
     for rank, got in enumerate(ranks):
         # each rank reads its part of the weights, no more (16-bit ones quantized into FP8 blocks at load: fewer
         # bytes held than read)
-        assert got["read"] == got["params"] < want["params"] or weights(arch) == "fp8-layers" and got["params"] < want["params"]
+        assert got["read"] == got["params"] < want["params"] or weights(arch) == "fp8" and got["params"] < want["params"]
         for a, b in zip(got["logprobs"], want["logprobs"]):
             # float32 rounding: the ranks add their halves of each product after an all-reduce, one process in
             # another order (measured: under 2e-6). FP8 weights also quantize the activations to e4m3 (as the
@@ -159,13 +159,13 @@ def test_a_rank_shares_a_range_in_near_equal_parts():
 
 
 def test_each_ranks_fp8_lm_head_is_its_rows_of_the_one_processs_head(tp_checkpoints):
-    """--weights fp8 under tensor parallel: each rank's e4m3 head rows and block factors are those one process
+    """--weights fp8-all under tensor parallel: each rank's e4m3 head rows and block factors are those one process
     quantizes (its rows start at a block: VOCAB_ROWS), so the gathered logits are one process's. (A head tied to
     the embedding, of 320 rows: split in halves, rank 1's would start inside a block.)"""
     folder = str(tp_checkpoints["qwen3-fp8"])
-    one, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8")
+    one, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8-all")
     for rank in range(2):
-        part, _ = load(folder, torch.device("cpu"), torch.float32, tp=parallel.Group(rank, 2), weights="fp8")
+        part, _ = load(folder, torch.device("cpu"), torch.float32, tp=parallel.Group(rank, 2), weights="fp8-all")
         rows = part.vocab_part
         assert rows.start % fp8.BLOCK == 0 and part.lm_head.weight.shape[0] == rows.stop - rows.start
         assert torch.equal(part.lm_head.weight.view(torch.uint8), one.lm_head.weight[rows].view(torch.uint8))
