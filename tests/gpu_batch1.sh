@@ -15,10 +15,7 @@
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 set -u
 cd "$(dirname "$0")/.."
-log=$OUT/log.txt
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  date -u; echo "== $*"; } >> $log
+source tests/gpu_common.sh "$@"
 step() {  # tree, name, then bench.py step's options
   local dir=$1 name=$2; shift 2
   (cd $dir && timeout ${STEP_S:-150} python bench.py step --shape Qwen3-8B --policy longflow "$@" \
@@ -45,17 +42,11 @@ for part in "$@"; do
       step before $w-before --batch ${BATCHES:-1 4 16} --weights $w
     done ;;
   serve)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> $log 2>&1
-    export PYTHONPATH=/tmp/site
-    python bench.py checkpoint --shape Qwen3-8B --out /dev/shm/q8 >> $log 2>&1; echo "checkpoint rc=$?" >> $log
-    python server.py --model /dev/shm/q8 --budget 3200 --weights fp8-all > $OUT/server.txt 2>&1 &
-    server=$!
-    for _ in $(seq 300); do grep -q "^serving" $OUT/server.txt && break; sleep 1; done
+    start_server python server.py --model /dev/shm/q8 --budget 3200 --weights fp8-all
     timeout 90 python bench.py serve --new-tokens 256 --prompt-len 128 --vocab 151936 --requests 6 --rate 0.25 \
       --json $OUT/serve_one.json >> $log 2>&1
     echo "serve one rc=$?" >> $log
-    kill -INT $server; for _ in $(seq 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
-    kill -KILL $server 2>/dev/null; cat $OUT/server.txt >> $log; rm $OUT/server.txt ;;
+    stop_server ;;
   ties)
     python -c "import torch; x = torch.ones(1, 1, 100, device='cuda', dtype=torch.float16)
 print('topk of 100 equal values, k=50, kept:', sorted(x.topk(50, dim=-1)[1][0, 0].tolist()))" >> $log 2>&1 ;;

@@ -9,10 +9,7 @@
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 set -u
 cd "$(dirname "$0")/.."
-log=$OUT/log.txt
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  date -u; echo "== $*"; } >> $log
+source tests/gpu_common.sh "$@"
 case "$1" in
 kernel)
   timeout 120 python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1
