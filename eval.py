@@ -740,6 +740,9 @@ def write_table(summaries: list[dict], out_dir: Path):
 # two distributions meet once and are dropped: nothing of size tokens x vocabulary is ever kept.
 
 RUST_BOOK = DATA_DIR / "rust_book.jsonl"
+# the fidelity protocol (docs/quality.md) scores the Rust book's first 4 chapters; `eval.py calibrate` reads the
+# others by default, so that TriAttention's statistics made by default never saw a text they are scored on
+PROTOCOL_RUST_TEXTS = 4
 SELF_SAMPLING = dict(temperature=0.6, top_p=0.95)  # DeepSeek-R1's recommended sampling
 BOOTSTRAP_BLOCK = 64  # tokens per block of the bootstrap error bars
 
@@ -972,7 +975,7 @@ def parse_fidelity_args(argv):
 
 def check_fidelity_args(args):
     """Refuse, before anything loads, options that cannot work together (argparse checked each alone)."""
-    chapters = len(read_text(RUST_BOOK).splitlines())
+    chapters = book_chapters()
     if "rust" in args.texts and args.rust_texts > chapters:
         raise ValueError(f"--rust-texts {args.rust_texts}: data/rust_book.jsonl has {chapters} chapters")
     questions = len(load_dataset("math"))
@@ -1047,6 +1050,14 @@ def run_fidelity(args):
                     "to resume with the rest")
 
 
+def spelled(chapters: range) -> str:
+    return f"chapter {chapters.start}" if len(chapters) == 1 else f"chapters {chapters.start}-{chapters[-1]}"
+
+
+def book_chapters() -> int:
+    return len(read_text(RUST_BOOK).splitlines())
+
+
 def fidelity_runs(specs: list[str], full_runs: bool = False) -> list[tuple[str, int, str]]:
     """The runs to compare, checked before anything loads: a policy or budget that cannot work fails now,
     not after an hour. The full cache is the reference, so a `full` run is dropped, unless full_runs (its cache or
@@ -1072,8 +1083,9 @@ def calibrate_main(argv):
     p = Parser(prog="eval.py calibrate", description="Measure the statistics of a model's queries that policy "
                "triattention scores with (one prefill over a plain text) and write them where it finds them.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
-    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped Rust book chapters, "
-                   "data/rust_book.jsonl, joined)")
+    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped Rust book's chapters "
+                   f"{PROTOCOL_RUST_TEXTS + 1}-{book_chapters()}, data/rust_book.jsonl, joined: those the fidelity "
+                   f"protocol, --rust-texts {PROTOCOL_RUST_TEXTS}, does not score)")
     p.add_argument("--tokens", type=positive_int, default=None, help="how many tokens of the text to read "
                    "(default: all, at most 32768 and the model's max_position_embeddings)")
     p.add_argument("--out", default=None, help="the file to write (default: the cache folder, "
@@ -1086,12 +1098,19 @@ def calibrate_main(argv):
     if launched():
         raise ValueError("eval.py calibrate runs in one process; start it without torchrun")
     if args.text is None:
-        name, text = "data/rust_book.jsonl", "\n\n".join(row["text"] for _, row in json_lines(
-            RUST_BOOK, read_text(RUST_BOOK), "restore the file"))
+        name, text = unscored_chapters()
     else:
         name, text = args.text, read_text(Path(args.text))
     path, n = calibrate(args.model, text, args.tokens, args.out, args.device, args.dtype, name)
     print(f"calibrate: wrote {path}, the query statistics of {args.model} over {plural(n, 'token')} of {name}")
+
+
+def unscored_chapters() -> tuple[str, str]:
+    """calibrate's default text: the Rust book chapters after the fidelity protocol's first PROTOCOL_RUST_TEXTS,
+    joined, and the name its statistics record (which fidelity reads back: calibrated_chapters)."""
+    rows = [row for _, row in json_lines(RUST_BOOK, read_text(RUST_BOOK), "restore the file")]
+    name = f"data/rust_book.jsonl, {spelled(range(PROTOCOL_RUST_TEXTS + 1, len(rows) + 1))}"
+    return name, "\n\n".join(row["text"] for row in rows[PROTOCOL_RUST_TEXTS:])
 
 
 # ---- measuring them (TriAttention's statistics; calibration.py keeps their file) ------------------------------------
