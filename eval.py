@@ -740,6 +740,9 @@ def write_table(summaries: list[dict], out_dir: Path):
 # two distributions meet once and are dropped: nothing of size tokens x vocabulary is ever kept.
 
 RUST_BOOK = DATA_DIR / "rust_book.jsonl"
+# the fidelity protocol (docs/quality.md) scores the Rust book's first 4 chapters; `eval.py calibrate` reads the
+# others by default, so that TriAttention's statistics made by default never saw a text they are scored on
+PROTOCOL_RUST_TEXTS = 4
 SELF_SAMPLING = dict(temperature=0.6, top_p=0.95)  # DeepSeek-R1's recommended sampling
 BOOTSTRAP_BLOCK = 64  # tokens per block of the bootstrap error bars
 
@@ -948,7 +951,9 @@ def parse_fidelity_args(argv):
                    "tova:64 (the full cache always runs: it is the reference)")
     p.add_argument("--texts", nargs="+", default=["rust", "self"], choices=["rust", "self"],
                    help="rust: the shipped Rust book chapters; self: the model's own sampled answers to MATH-500")
-    p.add_argument("--rust-texts", type=positive_int, default=6, help="how many Rust book chapters (at most 6)")
+    p.add_argument("--rust-texts", type=positive_int, default=6, help="how many Rust book chapters, from the first "
+                   f"(at most 6; the protocol, docs/quality.md: {PROTOCOL_RUST_TEXTS}, those calibrate's default text "
+                   "leaves out)")
     p.add_argument("--self-texts", type=positive_int, default=4, help="how many of the model's own answers")
     p.add_argument("--prompt-tokens", type=positive_int, default=64, help="rust texts: tokens read before scoring")
     p.add_argument("--tokens", type=positive_int, default=1536, help="predictions per text")
@@ -972,7 +977,7 @@ def parse_fidelity_args(argv):
 
 def check_fidelity_args(args):
     """Refuse, before anything loads, options that cannot work together (argparse checked each alone)."""
-    chapters = len(read_text(RUST_BOOK).splitlines())
+    chapters = book_chapters()
     if "rust" in args.texts and args.rust_texts > chapters:
         raise ValueError(f"--rust-texts {args.rust_texts}: data/rust_book.jsonl has {chapters} chapters")
     questions = len(load_dataset("math"))
@@ -989,20 +994,13 @@ def run_fidelity(args):
     already measured with these settings is kept)."""
     import time
 
-    import tinyflow
     from model import plural
     runs = fidelity_runs(args.runs, args.kv_dtype != "auto" or args.weights != "auto")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = []  # the runs whose results are on disk: what an interrupted sweep reports
     try:
-        load = lambda weights: tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
-                                            allow_long_context=args.allow_long_context, weights=weights)
-        llm = load("auto")
-        if args.weights == "fp8" and llm.model.cfg.fp8_blocks:
-            raise ValueError("--weights fp8: this checkpoint's layers are FP8 blocks already, so the runs would be "
-                             "the reference; drop --weights or quantize the LM head too (--weights fp8-all)")
-        runs_model = llm.model if args.weights == "auto" else load(args.weights).model  # the compared runs' weights
+        llm, runs_model = fidelity_models(args, runs)
         if "self" in args.texts:  # the model's answers are asked through its chat template
             check_chat_template(llm, args.model)
         texts = rust_texts(llm.tokenizer, args.rust_texts, args.prompt_tokens, args.tokens) \
@@ -1047,6 +1045,63 @@ def run_fidelity(args):
                     "to resume with the rest")
 
 
+def fidelity_models(args, runs: list[tuple[str, int, str]]):
+    """The reference LLM (the checkpoint's weights) and the compared runs' model (args.weights), once the loaded
+    checkpoint shows the runs can be measured."""
+    import tinyflow
+    load = lambda weights: tinyflow.LLM(args.model, device=args.device, compile=not args.no_compile,
+                                        allow_long_context=args.allow_long_context, weights=weights)
+    llm = load("auto")
+    if args.weights == "fp8" and llm.model.cfg.fp8_blocks:
+        raise ValueError("--weights fp8: this checkpoint's layers are FP8 blocks already, so the runs would be "
+                         "the reference; drop --weights or quantize the LM head too (--weights fp8-all)")
+    if "rust" in args.texts and any(policy == "triattention" for policy, _, _ in runs):
+        check_calibration_unscored(llm.model.folder, args.model, args.rust_texts)
+    return llm, llm.model if args.weights == "auto" else load(args.weights).model
+
+
+def check_calibration_unscored(folder, model: str, rust_texts: int):
+    """Refuse to score the first rust_texts Rust book chapters with TriAttention's statistics of this model (the
+    cache folder's, where the policy finds them) when their file says they were calibrated on one of them: the
+    rule would be measured on its own calibration text, flattered against the rules that read none. A refusal,
+    not a warning: the results live on in files and tables that a warning does not reach."""
+    import calibration
+    path = calibration.default_path(calibration.fingerprint(folder))
+    if not path.exists():
+        return  # the policy refuses on its own, saying what to run
+    chapters = calibrated_chapters(calibration.read(path)[1].get("text", ""))
+    if not chapters or chapters.start > rust_texts:
+        return
+    if chapters.start > 1:
+        fix = (f"give --rust-texts {chapters.start - 1} or fewer, or calibrate on a text the run does not score "
+               f"(--text FILE)")
+    else:  # made of the whole book
+        default = spelled(range(PROTOCOL_RUST_TEXTS + 1, book_chapters() + 1))
+        fix = (f"calibrate them again (python eval.py calibrate --model {model}: {default}) and give --rust-texts "
+               f"{PROTOCOL_RUST_TEXTS} or fewer")
+    raise ValueError(f"--rust-texts {rust_texts} scores Rust book {spelled(range(1, rust_texts + 1))}, and "
+                     f"triattention's statistics of this model ({path}) were calibrated on {spelled(chapters)}: {fix}")
+
+
+def calibrated_chapters(text: str) -> range:
+    """The Rust book chapters (numbered from 1) that statistics were calibrated on, from the text their file
+    names: calibrate's default names its chapters ("data/rust_book.jsonl, chapters 5-6"); the earlier default
+    named the whole book ("data/rust_book.jsonl": every chapter, joined); any other text, none that is known."""
+    named = re.fullmatch(r"data/rust_book\.jsonl(?:, chapters? (\d+)(?:-(\d+))?)?", text)
+    if named is None:
+        return range(0)
+    first, last = named.groups()
+    return range(int(first), int(last or first) + 1) if first else range(1, book_chapters() + 1)
+
+
+def spelled(chapters: range) -> str:
+    return f"chapter {chapters.start}" if len(chapters) == 1 else f"chapters {chapters.start}-{chapters[-1]}"
+
+
+def book_chapters() -> int:
+    return len(read_text(RUST_BOOK).splitlines())
+
+
 def fidelity_runs(specs: list[str], full_runs: bool = False) -> list[tuple[str, int, str]]:
     """The runs to compare, checked before anything loads: a policy or budget that cannot work fails now,
     not after an hour. The full cache is the reference, so a `full` run is dropped, unless full_runs (its cache or
@@ -1072,8 +1127,9 @@ def calibrate_main(argv):
     p = Parser(prog="eval.py calibrate", description="Measure the statistics of a model's queries that policy "
                "triattention scores with (one prefill over a plain text) and write them where it finds them.")
     p.add_argument("--model", required=True, help="Hugging Face id or local folder")
-    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped Rust book chapters, "
-                   "data/rust_book.jsonl, joined)")
+    p.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped Rust book's chapters "
+                   f"{PROTOCOL_RUST_TEXTS + 1}-{book_chapters()}, data/rust_book.jsonl, joined: those the fidelity "
+                   f"protocol, --rust-texts {PROTOCOL_RUST_TEXTS}, does not score)")
     p.add_argument("--tokens", type=positive_int, default=None, help="how many tokens of the text to read "
                    "(default: all, at most 32768 and the model's max_position_embeddings)")
     p.add_argument("--out", default=None, help="the file to write (default: the cache folder, "
@@ -1086,12 +1142,19 @@ def calibrate_main(argv):
     if launched():
         raise ValueError("eval.py calibrate runs in one process; start it without torchrun")
     if args.text is None:
-        name, text = "data/rust_book.jsonl", "\n\n".join(row["text"] for _, row in json_lines(
-            RUST_BOOK, read_text(RUST_BOOK), "restore the file"))
+        name, text = unscored_chapters()
     else:
         name, text = args.text, read_text(Path(args.text))
     path, n = calibrate(args.model, text, args.tokens, args.out, args.device, args.dtype, name)
     print(f"calibrate: wrote {path}, the query statistics of {args.model} over {plural(n, 'token')} of {name}")
+
+
+def unscored_chapters() -> tuple[str, str]:
+    """calibrate's default text: the Rust book chapters after the fidelity protocol's first PROTOCOL_RUST_TEXTS,
+    joined, and the name its statistics record (which fidelity reads back: calibrated_chapters)."""
+    rows = [row for _, row in json_lines(RUST_BOOK, read_text(RUST_BOOK), "restore the file")]
+    name = f"data/rust_book.jsonl, {spelled(range(PROTOCOL_RUST_TEXTS + 1, len(rows) + 1))}"
+    return name, "\n\n".join(row["text"] for row in rows[PROTOCOL_RUST_TEXTS:])
 
 
 # ---- measuring them (TriAttention's statistics; calibration.py keeps their file) ------------------------------------

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import calibration
 import eval as ev
 import kernel
 from cache import KVCache
@@ -453,6 +454,32 @@ def test_numbers_that_cannot_work_are_refused_before_the_model_loads(checkpoints
 def test_fidelity_numbers_that_cannot_work_are_refused_before_the_model_loads(checkpoints, tmp_path, capsys,
                                                                               no_model, option, says):
     assert says in refused(capsys, [*fidelity_args(checkpoints, tmp_path / "fid"), *option])
+
+
+def test_fidelity_refuses_to_score_triattention_on_the_chapters_its_statistics_were_calibrated_on(
+        checkpoints, tmp_path, monkeypatch, capsys):
+    """calibrate's default statistics (chapters 5-6) may score chapters 1-4, the protocol's, but not 5; a file the
+    earlier default made of the whole book, none. Said once the model has loaded (its fingerprint finds the file),
+    before anything is scored."""
+    monkeypatch.setenv("TINYFLOW_CACHE", str(tmp_path / "cache"))
+    folder = str(checkpoints["qwen3"])
+    ev.main(["calibrate", "--model", folder, "--device", "cpu"])
+    path = calibration.default_path(calibration.fingerprint(folder))
+    fidelity = [*fidelity_args(checkpoints, tmp_path / "fid"), "--runs", "triattention:40", "--rust-texts"]
+    assert refused(capsys, [*fidelity, "5"]) == (
+        f"error: --rust-texts 5 scores Rust book chapters 1-5, and triattention's statistics of this model ({path}) "
+        f"were calibrated on chapters 5-6: give --rust-texts 4 or fewer, or calibrate on a text the run does not "
+        f"score (--text FILE)\n")
+    assert not (tmp_path / "fid" / "fidelity_triattention_40.json").exists()
+    ev.main([str(a) for a in [*fidelity, "4"]])
+    assert json.loads((tmp_path / "fid" / "fidelity_triattention_40.json").read_text())["texts"] == [
+        "rust/ch04-01-what-is-ownership", "rust/ch08-02-strings", "rust/ch10-02-traits",
+        "rust/ch15-05-interior-mutability"]
+    ev.calibrate(folder, "Hello world", out=path, device="cpu", text_name="data/rust_book.jsonl")
+    assert refused(capsys, [*fidelity, "1"]) == (
+        f"error: --rust-texts 1 scores Rust book chapter 1, and triattention's statistics of this model ({path}) "
+        f"were calibrated on chapters 1-6: calibrate them again (python eval.py calibrate --model {folder}: "
+        f"chapters 5-6) and give --rust-texts 4 or fewer\n")
 
 
 @pytest.mark.parametrize("fidelity", [False, True])

@@ -24,9 +24,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tp_worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# the environment as the session starts: the jobs start in the background, while other tests may patch os.environ
-# (RANK and WORLD_SIZE in test_bad_input.py, HOME) for their own processes
-ENV = dict(os.environ)
+# the environment as the session starts, taken when the jobs start (started): the jobs run in the background, while
+# other tests may patch os.environ (RANK and WORLD_SIZE in test_bad_input.py, HOME, TINYFLOW_CACHE) for their own
+# processes; and it holds the session's cache folder (conftest's tinyflow_cache), where the checkpoints fixture
+# calibrated the statistics that policy triattention reads, in every rank as in this process
+ENV = {}
 
 
 def torchrun(*argv, n=2, timeout=1800):
@@ -64,6 +66,7 @@ def started(selected: set[str], folders, tmp_path_factory):
     except Exception as e:  # the parallel tests fail with it, not every test of the session
         yield {name: failed(e) for name in names}
         return
+    ENV.update(os.environ)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         yield {name: pool.submit(JOBS[name][0], tp_checkpoints, checkpoints, tmp_path_factory.mktemp(name))

@@ -3,8 +3,10 @@ means of the queries transformers computes, it writes where the policy looks (ne
 and a model without statistics, or with another model's, is refused in one line that says what to run. (Its
 score against the authors' formula: tests/test_rules.py; with every other rule through the engine:
 test_cache.py, test_generate.py, test_ladder.py.)"""
+import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from conftest import CORPUS
 from model import Tokenizer, Config, read_json
 
 TEXT = " ".join(CORPUS)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def transformers_queries(folder, arch: str, ids: list[int]) -> list[torch.Tensor]:
@@ -65,9 +68,23 @@ def test_the_command_writes_into_the_cache_by_fingerprint_and_nothing_into_the_m
     path = tmp_path / "cache" / "triattention" / f"{calibration.fingerprint(folder)}.safetensors"
     assert f"wrote {path}" in capsys.readouterr().out and path.exists()
     assert sorted(p.name for p in folder.iterdir()) == before
-    # the default text is the shipped Rust book, cut to the model's 512 positions
+
+
+def test_the_default_text_is_the_rust_book_chapters_the_fidelity_protocol_does_not_score(checkpoints, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """docs/quality.md's fidelity protocol scores the first 4 chapters (--rust-texts 4): the command reads chapters
+    5 and 6, joined, cut to the model's 512 positions, and its file names them (eval.py fidelity reads it back)."""
+    folder = str(checkpoints["qwen3"])
+    monkeypatch.setenv("TINYFLOW_CACHE", str(tmp_path / "cache"))
+    evaluate.main(["calibrate", "--model", folder, "--device", "cpu"])
+    assert capsys.readouterr().out.endswith("over 512 tokens of data/rust_book.jsonl, chapters 5-6\n")
+    chapters = [json.loads(line)["text"] for line in (ROOT / "data" / "rust_book.jsonl").read_text().splitlines()]
+    chapters_5_6, _ = evaluate.calibrate(folder, "\n\n".join(chapters[4:]), 512, tmp_path / "5-6.safetensors", "cpu")
+    path = calibration.default_path(calibration.fingerprint(folder))
+    made, want = load_file(path), load_file(chapters_5_6)
+    assert made.keys() == want.keys() and all(torch.equal(made[name], want[name]) for name in want)
     with safe_open(str(path), "pt") as f:
-        assert f.metadata()["text"] == "data/rust_book.jsonl" and f.metadata()["tokens"] == "512"
+        assert f.metadata()["text"] == "data/rust_book.jsonl, chapters 5-6" and f.metadata()["tokens"] == "512"
 
 
 def test_the_fingerprint_is_the_checkpoints_whatever_the_dtype_it_loads_in_and_differs_between_models(checkpoints):

@@ -22,7 +22,8 @@ CONTINUATIONS = ["Please reason step by step.", "What is 2 + 3? The answer is 5.
 # matrix product rounds differently from the whole one's
 RUNS = [("longflow", "snapkv"), ("longflow", "decode"), ("longflow-head", "snapkv"), ("tova", "decode"),
         ("h2o", "snapkv"), ("vatp", "decode"), ("streaming", "snapkv"), ("keydiff", "decode"), ("rkv", "decode"),
-        ("random", "decode"), ("longflow-ema", "decode"), ("snapkv-decode", "snapkv"), ("lazy", "decode")]
+        ("random", "decode"), ("longflow-ema", "decode"), ("snapkv-decode", "snapkv"), ("lazy", "decode"),
+        ("triattention", "decode")]  # its statistics: each rank reads its heads' (the test's cache folder)
 # what splitting the heads could change is in the policy, not the architecture: the first checkpoint (Qwen3,
 # GQA) runs every policy, the others one of each kind (the kernel's per layer and per head, accumulated, keys)
 FEW_RUNS = [("longflow", "snapkv"), ("longflow-head", "snapkv"), ("h2o", "snapkv"), ("keydiff", "decode"),
