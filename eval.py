@@ -992,8 +992,6 @@ def check_fidelity_args(args):
 def run_fidelity(args):
     """Score the runs against the full cache a budget at a time, each result written as it is measured (one
     already measured with these settings is kept)."""
-    import time
-
     from model import plural
     runs = fidelity_runs(args.runs, args.kv_dtype != "auto" or args.weights != "auto")
     out_dir = Path(args.out)
