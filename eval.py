@@ -1012,7 +1012,8 @@ def run_fidelity(args):
             json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
         name = lambda run, sep=":": run_name(*run, sep, args.kv_dtype, args.weights)
         path = lambda *run: out_dir / f"fidelity_{name(run, '_')}.json"
-        todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != settings]
+        of_run = lambda run: run_settings(settings, run[0], llm.model.folder)
+        todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != of_run(r)]
         saved += [r for r in runs if r not in todo]
         llm.set_policy(None, "full")
         full_free = [o.token_ids for o in llm.generate([t["prompt"] for t in texts], args.free_tokens,
@@ -1034,13 +1035,23 @@ def run_fidelity(args):
                                **free_generation(llm, texts, run, args.free_tokens, full_free, args.kv_dtype,
                                                  runs_model),
                                full_nll=full_nll, texts=[t["name"] for t in texts], group_seconds=group_seconds,
-                               settings=settings)
+                               settings=of_run(run))
                 write_atomically(path(*run), json.dumps(summary, indent=1))
                 saved.append(run)
         write_fidelity_table([read_json(path(*r)) for r in runs], out_dir)
     except KeyboardInterrupt:
         interrupted(f"{plural(len(saved), 'run')} of {len(runs)} measured and saved in {out_dir}; run the same command "
                     "to resume with the rest")
+
+
+def run_settings(settings: dict, policy: str, folder) -> dict:
+    """A run's settings, which a saved result must equal to be kept: a triattention run's also name its statistics
+    (their file's digest), so that one measured before the model was calibrated again is measured again."""
+    if policy != "triattention":
+        return settings
+    import calibration
+    path = calibration.default_path(calibration.fingerprint(folder))
+    return {**settings, "statistics_sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None}
 
 
 def fidelity_models(args, runs: list[tuple[str, int, str]]):

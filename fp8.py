@@ -168,10 +168,11 @@ def place(model, device):
 
 def quantize(model, weights: str, stored_blocks: bool = False):
     """The model's weights as `weights` says (model.WEIGHTS): "fp8", the layers' linears quantized into FP8 blocks
-    (unless the checkpoint stored them so: stored_blocks); "fp8-all", the LM head too; "auto", as they are."""
+    (unless the checkpoint stored them so: stored_blocks); "fp8-all", the LM head too; "auto", as they are. What is
+    quantized already stays as it is (quantizing its e4m3 values again would lose their factors)."""
     if weights != "auto" and not stored_blocks:
         convert(model, quantize=True)
-    if weights == "fp8-all":
+    if weights == "fp8-all" and weights_of(model) != "fp8-all":
         quantize_head(model)
     return model
 
@@ -198,7 +199,7 @@ def convert(model, quantize: bool):
     for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name, child in list(parent.named_children()):
-                if name not in QUANTIZED:
+                if name not in QUANTIZED or isinstance(child, Fp8Linear):  # quantized already: its blocks stay
                     continue
                 sizes = parent.sizes if name in ("qkv_proj", "gate_up_proj") else [child.weight.shape[0]]
                 if quantize:

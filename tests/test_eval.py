@@ -1,4 +1,5 @@
 """eval.py end to end on a tiny random checkpoint: files written, resumable, the synthetic task."""
+import hashlib
 import json
 import os
 
@@ -460,7 +461,8 @@ def test_fidelity_refuses_to_score_triattention_on_the_chapters_its_statistics_w
         checkpoints, tmp_path, monkeypatch, capsys):
     """calibrate's default statistics (chapters 5-6) may score chapters 1-4, the protocol's, but not 5; a file the
     earlier default made of the whole book, none. Said once the model has loaded (its fingerprint finds the file),
-    before anything is scored."""
+    before anything is scored. A saved result is kept while the statistics are the same, measured again once the
+    model is calibrated again."""
     monkeypatch.setenv("TINYFLOW_CACHE", str(tmp_path / "cache"))
     folder = str(checkpoints["qwen3"])
     ev.main(["calibrate", "--model", folder, "--device", "cpu"])
@@ -475,6 +477,14 @@ def test_fidelity_refuses_to_score_triattention_on_the_chapters_its_statistics_w
     assert json.loads((tmp_path / "fid" / "fidelity_triattention_40.json").read_text())["texts"] == [
         "rust/ch04-01-what-is-ownership", "rust/ch08-02-strings", "rust/ch10-02-traits",
         "rust/ch15-05-interior-mutability"]
+    measured = (tmp_path / "fid" / "fidelity_triattention_40.json").read_text()
+    ev.main([str(a) for a in [*fidelity, "4"]])  # the same statistics: the saved result is kept
+    assert (tmp_path / "fid" / "fidelity_triattention_40.json").read_text() == measured
+    ev.calibrate(folder, "Hello world", out=path, device="cpu", text_name="my text")
+    ev.main([str(a) for a in [*fidelity, "4"]])  # other statistics: measured again, with them
+    again = json.loads((tmp_path / "fid" / "fidelity_triattention_40.json").read_text())
+    assert again["settings"]["statistics_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert again["settings"] != json.loads(measured)["settings"]
     ev.calibrate(folder, "Hello world", out=path, device="cpu", text_name="data/rust_book.jsonl")
     assert refused(capsys, [*fidelity, "1"]) == (
         f"error: --rust-texts 1 scores Rust book chapter 1, and triattention's statistics of this model ({path}) "

@@ -90,6 +90,18 @@ def test_weights_fp8_all_quantizes_the_lm_head_too_and_a_tied_embedding_stays_as
     assert torch.equal(both.head(x), fp8.linear_ref(x, head.weight, head.weight_scale_inv, head.row_block, True))
 
 
+def test_quantizing_a_quantized_model_again_leaves_its_blocks_as_they_are(checkpoints):
+    """fp8 then fp8-all quantizes the head alone; the layers' blocks (and a head's, quantized twice) stay bit for
+    bit: quantizing e4m3 values again would give them factors near 1, outputs ~10^4 too large."""
+    folder = str(checkpoints["qwen2"])
+    once, _ = load(folder, torch.device("cpu"), torch.float32, weights="fp8-all")
+    twice = fp8.quantize(fp8.quantize(load(folder, torch.device("cpu"), torch.float32, weights="fp8")[0], "fp8-all"),
+                         "fp8-all")
+    for (name, a), (_, b) in zip(once.named_parameters(), twice.named_parameters(), strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a,
+                           b.view(torch.uint8) if b.dtype == fp8.FP8 else b), name
+
+
 def test_fp8_weights_generate_from_prompts_and_score_with_a_budget(checkpoints):
     llm = tinyflow.LLM(str(checkpoints["qwen3"]), budget=36, device="cpu", compile=False, weights="fp8")
     outs = llm.generate(["Hello world", "The quick brown fox"], max_new_tokens=40)
