@@ -68,6 +68,11 @@ def default_path(fingerprint: str) -> Path:
     return cache_folder() / "triattention" / f"{fingerprint}.safetensors"
 
 
+def path_for(folder) -> Path:
+    """Where the policy looks for the statistics of the checkpoint in `folder`."""
+    return default_path(fingerprint(folder))
+
+
 def identity(cfg, folder) -> dict[str, str]:
     """What the statistics must agree on with the model that reads them (cfg: model.Config, the whole model's)."""
     return {"format": FORMAT, "fingerprint": fingerprint(folder), "layers": str(cfg.n_layers),

@@ -1014,7 +1014,10 @@ def run_fidelity(args):
             json.dumps([[t["prompt"], t["continuation"]] for t in texts]).encode()).hexdigest())
         name = lambda run, sep=":": run_name(*run, sep, args.kv_dtype, args.weights)
         path = lambda *run: out_dir / f"fidelity_{name(run, '_')}.json"
-        of_run = lambda run: run_settings(settings, run[0], llm.model.folder)
+        statistics = statistics_digest(llm.model.folder) if any(r[0] == "triattention" for r in runs) else None
+        # a triattention run's settings also name its statistics: one measured before the model was calibrated
+        # again is measured again
+        of_run = lambda run: {**settings, "statistics_sha256": statistics} if run[0] == "triattention" else settings
         todo = [r for r in runs if (read_json(path(*r)) or {}).get("settings") != of_run(r)]
         saved += [r for r in runs if r not in todo]
         llm.set_policy(None, "full")
@@ -1046,14 +1049,11 @@ def run_fidelity(args):
                     "to resume with the rest")
 
 
-def run_settings(settings: dict, policy: str, folder) -> dict:
-    """A run's settings, which a saved result must equal to be kept: a triattention run's also name its statistics
-    (their file's digest), so that one measured before the model was calibrated again is measured again."""
-    if policy != "triattention":
-        return settings
+def statistics_digest(folder) -> str | None:
+    """The SHA-256 of TriAttention's statistics of the checkpoint in `folder`, None where there are none."""
     import calibration
-    path = calibration.default_path(calibration.fingerprint(folder))
-    return {**settings, "statistics_sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None}
+    path = calibration.path_for(folder)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
 def fidelity_models(args, runs: list[tuple[str, int, str]]):
@@ -1077,7 +1077,7 @@ def check_calibration_unscored(folder, model: str, rust_texts: int):
     rule would be measured on its own calibration text, flattered against the rules that read none. A refusal,
     not a warning: the results live on in files and tables that a warning does not reach."""
     import calibration
-    path = calibration.default_path(calibration.fingerprint(folder))
+    path = calibration.path_for(folder)
     if not path.exists():
         return  # the policy refuses on its own, saying what to run
     chapters = calibrated_chapters(calibration.read(path)[1].get("text", ""))
