@@ -168,7 +168,7 @@ def bench_kernel(args, hw: Machine, _):
                 for _ in range(n_sets)]
         # + ||v||_1 per slot, as the cache keeps it, and a per-slot state for the rules that keep one
         sets = [(*s, kernel.l1_norm(s[2]), torch.zeros(B, Hkv, S, device="cuda")) for s in sets]
-        variants = {name: kernel_rule_call(resolve_policy(name, S), B * Hkv * S) for name in args.policy}
+        variants = {name: kernel_rule_call(resolve_policy(name, S), B, Hq, Hkv, S, D) for name in args.policy}
         variants |= {  # name: (call, bytes read beyond K, V and positions)
             "no selection": (lambda q, k, v, p, n, st: kernel.decode_attention(q, k, v, p, select=False), 0),
             "torch SDPA": (lambda q, k, v, p, n, st: F.scaled_dot_product_attention(q[:, :, None], k, v,
@@ -197,15 +197,19 @@ def bench_kernel(args, hw: Machine, _):
                 finished(r)
 
 
-def kernel_rule_call(p: KernelPolicy, slots: int):
+def kernel_rule_call(p: KernelPolicy, B: int, H_q: int, H_kv: int, S: int, D: int):
     """The kernel's call for rule p (resolved: its sinks and window) over an input set (q, k, v, pos, ||v||_1,
-    state), and the bytes it reads beyond K, V and positions: ||v||_1, and the state read and written."""
+    state), and the bytes it reads beyond K, V and positions: ||v||_1, and the state read and written. A rule
+    scored by a given query gets a random one and random pair weights (TriAttention's are a model's)."""
     s = p.scoring
+    given_query, pair_weight = (torch.randn(B, H_q, D, device="cuda"), torch.rand(H_q, D // 2, device="cuda")) \
+        if s.query == "given" else (None, None)
     call = lambda q, k, v, pos, n, st: kernel.decode_attention(q, k, v, pos, per_head=p.per_head, scoring=s,
                                                                 n_sink=p.n_sink, window=p.window,
                                                                 vnorm=n if s.value_norm else None,
-                                                                state=st if s.keeps_state else None)
-    return call, 4 * slots * (s.value_norm + 2 * s.keeps_state)
+                                                                state=st if s.keeps_state else None,
+                                                                given_query=given_query, pair_weight=pair_weight)
+    return call, 4 * B * H_kv * S * (s.value_norm + 2 * s.keeps_state)
 
 
 # ---- the decode step at a given cache fill --------------------------------------------------------------

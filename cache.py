@@ -120,14 +120,17 @@ class KVCache:
         return out
 
     def attention(self, c: Layer, q, select=False, scoring=kernel.LONGFLOW, state=None, vnorm=None, limit=None,
-                  partial=False):
-        """kernel.decode_attention over layer c (its reference on the CPU) with the policy's protections."""
+                  partial=False, given=None):
+        """kernel.decode_attention over layer c (its reference on the CPU) with the policy's protections; given:
+        a given query's (given_query, pair_weight)."""
         p = self.policy
         attend = kernel.decode_attention if q.is_cuda else kernel.decode_attention_ref
+        given_query, pair_weight = given or (None, None)
         return attend(q, c.k, c.v, c.pos, per_head=p.per_head, n_sink=p.n_sink, window=p.window, select=select,
                       scoring=scoring, state=state, limit=limit, vnorm=vnorm,
                       k_scale=c.k_scale if self.fp8 else None, v_scale=c.v_scale if self.fp8 else None,
-                      partial=partial, v_top=c.v_top if self.fp8 else None)
+                      partial=partial, v_top=c.v_top if self.fp8 else None, given_query=given_query,
+                      pair_weight=pair_weight)
 
     def lowest(self, score, c: Layer):
         """The slot the policy's score [B, H_kv or 1, S] ranks lowest: per KV head, or per layer on the mean

@@ -41,10 +41,14 @@ Both take the same arguments and return out [B, H_q, D] in q's dtype and evict [
                                               and empty slots: [B, S] per layer (the mean over these heads,
                                               for tensor-parallel ranks that decide together), [B, H_kv, S]
                                               per head (the reference only); no state, and select
+  given_query       [B, H_q, D] fp32 | None   with Scoring(query="given"): the query each slot's key is scored
+  pair_weight       [H_q, D / 2] fp32 | None  against this step, and the weights of its pairs' magnitudes
 
 The Triton path: _attend_kernel reads K/V once (flash-decoding splits when the batch is small) and stores
 each head's logits; _finish_kernel merges the splits and, in parallel over chunks of slots, turns the
 logits into scores and takes each chunk's minimum into one packed (score, slot) atomic minimum per row.
+With a given query the attention pass stores each head's raw score of every key in place of its logits, and
+the finish kernel z-scores them, one program per KV head (_score_given).
 """
 
 import functools
@@ -78,18 +82,27 @@ class Scoring:
         then score_i = state_i
 
     alpha[h, i] is the current query's softmax weight of slot i; the mean runs over the KV head's query group
-    (per head) or over every head of the layer. A new factor is a field here, a line in decode_attention_ref,
-    its lines in _score_chunk (a flag of _finish_kernel's), and an argument of the op (decode_attention,
-    _decode_attention_op, _result_shapes)."""
+    (per head) or over every head of the layer. With query "given" (TriAttention) a slot is scored by its key
+    alone, against a query u [B, H_q, D] and pair weights w [H_q, D/2] the caller gives each step, per KV head:
+
+        raw[h, i] = k_i . u_h + sum_f w_hf |k_i,f|            |k_i,f|: the magnitude of the pair (k[f], k[f + D/2])
+        score_i = max over the group of (raw[h, i] - mean_h) / std_h    over the slots that can go (given_score)
+
+    A new factor is a field here, a line in decode_attention_ref, its lines in _score_chunk (a flag of
+    _finish_kernel's), and an argument of the op (decode_attention, _decode_attention_op, _result_shapes)."""
     value_norm: bool = False
     update: str = "none"
     decay: float = 1.0  # "ema" only: the weight of the state a step keeps
+    query: str = "current"  # or "given": the caller's query and pair weights score the keys (above)
 
     def __post_init__(self):
         if self.update not in UPDATES:
             raise ValueError(f"unknown score update {self.update!r}; choose one of {', '.join(UPDATES)}")
         if (self.update == "ema") != (0 < self.decay < 1) or (self.update != "ema" and self.decay != 1):
             raise ValueError(f"an \"ema\" update takes a decay in (0, 1), the others none; got {self!r}")
+        if self.query not in QUERIES or (self.query == "given" and (self.value_norm or self.keeps_state)):
+            raise ValueError(f"a scoring's query is {' or '.join(QUERIES)}, and a given one takes no value norm "
+                             f"and no update; got {self!r}")
 
     @property
     def keeps_state(self) -> bool:
@@ -101,6 +114,7 @@ class Scoring:
 
 
 UPDATES = ("none", "sum", "ema")
+QUERIES = ("current", "given")
 LONGFLOW = Scoring(value_norm=True)  # decode_attention's default
 
 
@@ -110,6 +124,14 @@ def check_state(scoring: Scoring, state, partial: bool, select: bool):
         raise ValueError(f"a per-slot state is for a scoring with an update (sum, ema), not {scoring!r}")
     if partial and (state is not None or not select):
         raise ValueError("partial scores are this step's (no state) and need select")
+
+
+def check_given(scoring: Scoring, given_query, pair_weight, per_head: bool, select: bool):
+    """A given query and its pair weights exactly for a scoring by a given query, which decides per KV head."""
+    if select and (scoring.query == "given") != (given_query is not None and pair_weight is not None):
+        raise ValueError(f"a scoring by a given query takes given_query and pair_weight, and only it: {scoring!r}")
+    if select and scoring.query == "given" and not per_head:
+        raise ValueError("a scoring by a given query decides per KV head (per_head=True): its z-scores are per head")
 
 
 def protected_mask(pos, n_sink: int, window: int):
@@ -131,6 +153,25 @@ def choose_slot(score, pos, n_sink: int, window: int, per_head: bool, layer_mean
         protected, empty = protected.any(1, keepdim=True), empty.any(1, keepdim=True)
     score = score.masked_fill(protected, math.inf).masked_fill(empty, -math.inf)
     return score.argmin(-1).expand(pos.shape[:2]).contiguous()  # argmin: the first minimum, the lowest slot
+
+
+def given_score(k, pos, query, pair_weight, protected):
+    """The score by a given query (Scoring's query "given"), per KV head: raw_h = k . query_h + sum_f
+    pair_weight_hf |k_f| for each query head h (k_f: the pair k[f], k[f + D/2]), z-scored over the slots held
+    and not protected (the population std, at least 1e-6), then the maximum over the KV head's query group.
+    k [B, H_kv, S, D] (values); pos, protected [B, H_kv, S]; query [B, H_q, D]; pair_weight [H_q, D/2].
+    Returns [B, H_kv, S]."""
+    B, H, S, D = k.shape
+    G = query.shape[1] // H
+    k = k.float()
+    kr, ki = k.chunk(2, -1)  # [B, H_kv, S, D/2]
+    raw = query.float().view(B, H, G, D) @ k.transpose(-1, -2) + \
+        pair_weight.float().view(H, G, -1) @ torch.hypot(kr, ki).transpose(-1, -2)  # [B, H_kv, G, S]
+    scored = ((pos >= 0) & ~protected)[:, :, None]  # [B, H_kv, 1, S]
+    n = scored.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(scored, raw, 0.0).sum(-1, keepdim=True) / n
+    std = (torch.where(scored, raw - mean, 0.0).square().sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-6)
+    return ((raw - mean) / std).amax(2)
 
 
 def l1_norm(v):
@@ -157,11 +198,13 @@ def dequantize(bits, scale, dtype=torch.float32):
 
 
 def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, scoring=LONGFLOW,
-                         state=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
+                         state=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None,
+                         given_query=None, pair_weight=None):
     """Plain PyTorch: attention, then score_i = mean_h alpha[h, i] * ||v_i||_1 (the scoring's factors) and its
     argmin. The arguments: the table at the top of this file (v_top is the kernel's; exact arithmetic needs
     none)."""
     check_state(scoring, state, partial, select)
+    check_given(scoring, given_query, pair_weight, per_head, select)
     B, H_q, D = q.shape
     H_kv = k.shape[1]
     if k_scale is not None:
@@ -177,7 +220,10 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
 
     if scoring.value_norm:
         alpha = alpha * (l1_norm(v) if vnorm is None else vnorm)[:, :, None]  # [B, H_kv, G, S]
-    score = alpha.mean(2) if per_head else alpha.mean((1, 2))[:, None]  # [B, H_kv or 1, S]
+    if scoring.query == "given":  # per head
+        score = given_score(k, pos, given_query, pair_weight, protected_mask(pos, n_sink, window))
+    else:
+        score = alpha.mean(2) if per_head else alpha.mean((1, 2))[:, None]  # [B, H_kv or 1, S]
     if partial:
         return out, score if per_head else score[:, 0]
     if state is not None:  # every column of a per-layer state holds the layer's score: column 0 is compared
@@ -209,10 +255,12 @@ def _attend_kernel(
     S, chunk,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, sp_b, sp_h, sp_s,
     ss_b, ss_h, ss_s,  # the strides of both scales
+    given_ptr, weight_ptr,  # with GIVEN: the given query [B, H_q, D] and pair weights [H_q, D/2], f32, contiguous
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     SCALE: tl.constexpr,  # 1/sqrt(D); constexpr, as torch.compile would pass a float argument as fp64
     SPLIT: tl.constexpr, SELECT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr,  # FP8 K/V; their products with 16-bit queries in fp16
+    GIVEN: tl.constexpr,  # Scoring(query="given"): each head's raw score of the keys stored in place of its logits
 ):
     """One program: all G query heads of one KV head over one split of the slots (K/V read once)."""
     b = (tl.program_id(0) // H_KV).to(tl.int64)
@@ -225,6 +273,13 @@ def _attend_kernel(
     q = tl.load(q_ptr + b * sq_b + (kvh * G + rows)[:, None] * sq_h + dims[None, :] * sq_d,
                 mask=row_ok[:, None], other=0.0)  # [G_PAD, D]
     q_in = q.to(tl.float16) if FP16_PRODUCTS else q  # in the dtype the keys meet it in
+    given, weight = q_in, q_in  # with GIVEN: [G_PAD, D] and [G_PAD, D/2], in that dtype too
+    if GIVEN:
+        given = tl.load(given_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+        half = tl.arange(0, D // 2)
+        weight = tl.load(weight_ptr + (kvh * G + rows)[:, None] * (D // 2) + half[None, :], mask=row_ok[:, None],
+                         other=0.0)
+        given, weight = given.to(q_in.dtype), weight.to(q_in.dtype)
     k_ptr += b * sk_b + kvh * sk_h
     v_ptr += b * sv_b + kvh * sv_h
     pos_ptr += b * sp_b + kvh * sp_h
@@ -237,9 +292,9 @@ def _attend_kernel(
     end = tl.minimum(split * chunk + chunk, S)
     if HAS_LIMIT:  # a cache that fills in order: the slots past the last token cost nothing
         end = tl.minimum(end, tl.load(limit_ptr + b * H_KV + kvh))
-    m, l, acc, newest = _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok,
-                                      dims, split * chunk, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
-                                      G_PAD, D, BLOCK_S, SCALE, SELECT, FP8_KV, FP16_PRODUCTS)
+    m, l, acc, newest = _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr,
+                                      heads, row_ok, dims, split * chunk, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
+                                      G_PAD, D, BLOCK_S, SCALE, SELECT, FP8_KV, FP16_PRODUCTS, GIVEN)
     if FP8_KV:
         acc *= top
     tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
@@ -250,13 +305,14 @@ def _attend_kernel(
 
 
 @triton.jit
-def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok, dims,
+def _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok, dims,
                   first, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, SCALE: tl.constexpr,
-                  SELECT: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
+                  SELECT: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr, GIVEN: tl.constexpr):
     """The online softmax of the group's queries q_in [G_PAD, D] over slots first .. end - 1, BLOCK_S at a
     time: returns its max and sum [G_PAD], the unnormalised output [G_PAD, D], and the newest position
-    seen [BLOCK_S]. When selecting, each block's logits are stored on the way (for the score pass)."""
+    seen [BLOCK_S]. When selecting, each block's logits are stored on the way (for the score pass), or with
+    GIVEN the raw scores of its keys by the given query and pair weights (_given_raw)."""
     m = tl.full([G_PAD], NEG_BIG, tl.float32)  # running max, sum and output of the online softmax
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -277,7 +333,14 @@ def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, h
         bias = tl.where(p >= 0, 0.0, float("-inf"))  # [BLOCK_S]
         s = tl.dot(q_in, tl.trans(kb), input_precision="ieee") * factor[None, :] + bias[None, :]  # [G_PAD, BLOCK_S]
         if SELECT:  # the logits [B, H_q, S] for the score pass, stored while the block is in registers
-            tl.store(logit_ptr + heads[:, None] * S + slots[None, :], s, mask=row_ok[:, None] & in_range[None, :])
+            stored = s
+            if GIVEN:
+                stored = _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D, FP8_KV, FP16_PRODUCTS)
+                if FP8_KV:  # both terms scale with the key
+                    stored *= k_scale[None, :]
+                stored += bias[None, :]
+            tl.store(logit_ptr + heads[:, None] * S + slots[None, :], stored,
+                     mask=row_ok[:, None] & in_range[None, :])
             newest = tl.maximum(newest, p)
         m_new = tl.maximum(m, tl.max(s, axis=1))  # the online softmax
         e = tl.exp2(s - m_new[:, None])
@@ -289,6 +352,24 @@ def _attend_slots(q_in, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, h
         acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
     return m, l, acc, newest
+
+
+@triton.jit
+def _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D: tl.constexpr, FP8_KV: tl.constexpr,
+               FP16_PRODUCTS: tl.constexpr):
+    """given_score's raw scores of a block of keys kb [BLOCK_S, D] (as the block's logits are computed: in the
+    keys' dtype, an FP8 cache's without its scales): [G_PAD, BLOCK_S] = given . k + weight . |k_f|, the pairs'
+    magnitudes from the key's two halves (loaded again: the block's lines are in L1)."""
+    half = tl.arange(0, D // 2)[None, :]
+    at = k_ptr + slots[:, None] * sk_s + half * sk_d
+    kr = tl.load(at, mask=in_range[:, None], other=0.0)  # [BLOCK_S, D/2]
+    ki = tl.load(at + (D // 2) * sk_d, mask=in_range[:, None], other=0.0)
+    if FP8_KV:  # e4m3 bits, as _from_fp8 made the block's
+        kr, ki = _from_fp8(kr, FP16_PRODUCTS), _from_fp8(ki, FP16_PRODUCTS)
+    kr, ki = kr.to(tl.float32), ki.to(tl.float32)
+    magnitude = tl.sqrt(kr * kr + ki * ki).to(kb.dtype)
+    return tl.dot(given, tl.trans(kb), input_precision="ieee") + \
+        tl.dot(weight, tl.trans(magnitude), input_precision="ieee")
 
 
 @triton.jit
@@ -403,12 +484,9 @@ def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, key_ptr, b
                PROTECT: tl.constexpr):
     """choose_slot's rule on the chunk's scores [KV or 1, CHUNK]: protection and empty slots applied, each score
     packed with its slot; key[b, kv] is lowered to the chunk's minimum."""
-    if PROTECT:  # never the first n_sink positions nor the last `window` (from the row's newest position)
-        sp = tl.arange(0, NS_PAD)[None, :]
-        newest = tl.load(newest_ptr + (b * H_KV + kv) * n_split + sp, mask=(kv < H_KV) & (sp < n_split), other=-1)
-        newest = tl.max(newest, axis=1)[:, None]  # [KV, 1], the row's newest position over all splits
-        p = tl.load(pos_ptr + b * sp_b + kv * sp_h + slots * sp_s, mask=ok, other=-1)
-        protected = (p >= 0) & ((p < n_sink) | (p > newest - window))
+    if PROTECT:
+        protected = _protected(newest_ptr, pos_ptr, b, kv, slots, ok, n_split, n_sink, window, sp_b, sp_h, sp_s,
+                               H_KV, NS_PAD)
         if not PER_HEAD:
             protected = tl.max(protected.to(tl.int32), axis=0, keep_dims=True) > 0
         score = tl.where(protected, float("inf"), score)
@@ -423,6 +501,58 @@ def _lower_key(score, empty, ok, slots, kv, kvs, newest_ptr, pos_ptr, key_ptr, b
 
 
 @triton.jit
+def _protected(newest_ptr, pos_ptr, b, kv, slots, ok, n_split, n_sink, window, sp_b, sp_h, sp_s,
+               H_KV: tl.constexpr, NS_PAD: tl.constexpr):
+    """protected_mask of slots [1, CHUNK] in KV heads kv [KV, 1] of row b: the first n_sink positions and the last
+    `window` (from the row's newest position, the maximum of the splits' in newest_ptr)."""
+    sp = tl.arange(0, NS_PAD)[None, :]
+    newest = tl.load(newest_ptr + (b * H_KV + kv) * n_split + sp, mask=(kv < H_KV) & (sp < n_split), other=-1)
+    newest = tl.max(newest, axis=1)[:, None]  # [KV, 1]
+    p = tl.load(pos_ptr + b * sp_b + kv * sp_h + slots * sp_s, mask=ok, other=-1)
+    return (p >= 0) & ((p < n_sink) | (p > newest - window))
+
+
+@triton.jit
+def _score_given(logit_ptr, newest_ptr, pos_ptr, key_ptr, b, kvh, S, n_split, n_sink, window, sp_b, sp_h, sp_s,
+                 H_KV: tl.constexpr, G: tl.constexpr, G_POW2: tl.constexpr, NS_PAD: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """given_score for KV head kvh of row b, one program over the whole row: its heads' raw scores [G, S] (the
+    attention pass stored them in place of the logits, -inf in empty slots) z-scored per head over the slots that
+    can go, the maximum over the group, lowest into key[b, kvh]. Two passes: the count, mean and sum of squared
+    deviations of each chunk, merged as it comes (Chan et al.), then the z-scores."""
+    g = tl.arange(0, G_POW2)[:, None]  # [G, 1]
+    rows = (b * H_KV + kvh) * G + g  # flat index into [B, H_q]
+    kv = tl.zeros([1, 1], tl.int64) + kvh  # this program's KV head, in _lower_key's [KV, 1] and [KV]
+    kvs = tl.zeros([1], tl.int64) + kvh
+    n = tl.zeros([G_POW2, 1], tl.float32)
+    mean = tl.zeros([G_POW2, 1], tl.float32)
+    m2 = tl.zeros([G_POW2, 1], tl.float32)
+    for start in range(0, S, CHUNK):
+        slots = start + tl.arange(0, CHUNK)[None, :]  # [1, CHUNK]
+        raw = tl.load(logit_ptr + rows * S + slots, mask=(g < G) & (slots < S), other=0.0)  # [G, CHUNK]
+        p = tl.load(pos_ptr + b * sp_b + kvh * sp_h + slots * sp_s, mask=slots < S, other=-1)
+        protected = _protected(newest_ptr, pos_ptr, b, kv, slots, slots < S, n_split, n_sink, window, sp_b, sp_h,
+                               sp_s, H_KV, NS_PAD)
+        scored = (p >= 0) & ~protected  # [1, CHUNK]
+        n_chunk = tl.sum(scored.to(tl.float32), axis=1, keep_dims=True)  # [1, 1]
+        mean_chunk = tl.sum(tl.where(scored, raw, 0.0), axis=1, keep_dims=True) / tl.maximum(n_chunk, 1.0)
+        m2_chunk = tl.sum(tl.where(scored, (raw - mean_chunk) * (raw - mean_chunk), 0.0), axis=1, keep_dims=True)
+        total = n + n_chunk
+        delta = mean_chunk - mean
+        mean += delta * n_chunk / tl.maximum(total, 1.0)
+        m2 += m2_chunk + delta * delta * n * n_chunk / tl.maximum(total, 1.0)
+        n = total
+    std = tl.maximum(tl.sqrt(m2 / tl.maximum(n, 1.0)), 1e-6)
+    for start in range(0, S, CHUNK):
+        slots = start + tl.arange(0, CHUNK)[None, :]
+        raw = tl.load(logit_ptr + rows * S + slots, mask=(g < G) & (slots < S), other=float("-inf"))
+        score = tl.max(tl.where(g < G, (raw - mean) / std, float("-inf")), axis=0, keep_dims=True)  # [1, CHUNK]
+        empty = (slots < S) & (tl.max(raw, axis=0, keep_dims=True) == float("-inf"))
+        _lower_key(score, empty, slots < S, slots, kv, kvs, newest_ptr, pos_ptr, key_ptr, b, S, n_split, n_sink,
+                   window, sp_b, sp_h, sp_s, H_KV, NS_PAD, True, True)
+
+
+@triton.jit
 def _finish_kernel(
     m_ptr, l_ptr, o_ptr, out_ptr,  # split partials as in _attend_kernel; out [B, H_q, D]
     vnorm_ptr,  # [B, H_kv, S] f32 ||v||_1 per slot (with VALUE_NORM)
@@ -433,12 +563,16 @@ def _finish_kernel(
     NS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, PER_HEAD: tl.constexpr,
     PROTECT: tl.constexpr, PARTIAL: tl.constexpr,
     VALUE_NORM: tl.constexpr, HAS_STATE: tl.constexpr, DECAY: tl.constexpr,  # the Scoring's, and a state given
+    GIVEN: tl.constexpr,  # the Scoring's query "given": n_chunks is H_kv, a program scores a KV head's whole row
 ):
     """Program (b, c): for c < n_chunks, score chunk c of row b's slots (all KV heads); for the H_kv programs
     after those (when split), merge the split partials of KV head c - n_chunks into out. One launch for both."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    if c < n_chunks:
+    if GIVEN and c < n_chunks:
+        _score_given(logit_ptr, newest_ptr, pos_ptr, key_ptr, b, c, S, n_split, n_sink, window, sp_b, sp_h, sp_s,
+                     H_KV, G, G_POW2, NS_PAD, CHUNK)
+    elif c < n_chunks:
         _score_chunk(m_ptr, l_ptr, logit_ptr, vnorm_ptr, newest_ptr, pos_ptr, state_ptr, key_ptr, part_ptr, b, c,
                      S, n_split, n_sink, window, sp_b, sp_h, sp_s, sn_b, sn_h, sn_s, st_b, st_h, st_s,
                      H_KV, G, KV_POW2, G_POW2, NS_PAD, CHUNK, PER_HEAD, PROTECT, PARTIAL,
@@ -458,11 +592,24 @@ def _split_count(n_programs: int, n_blocks: int, device: torch.device) -> int:
     return max(1, min(n_blocks, triton.cdiv(2 * _sm_count(device), n_programs)))
 
 
+def _slot_splits(B: int, H_kv: int, S: int, D: int, device: torch.device) -> tuple[int, int, int]:
+    """The attention kernel's block of slots, the slots of a split (whole blocks) and the splits of a row."""
+    BLOCK_S = 64 if D <= 128 else 32
+    n_blocks = triton.cdiv(S, BLOCK_S)
+    chunk = triton.cdiv(n_blocks, _split_count(B * H_kv, n_blocks, device)) * BLOCK_S
+    return BLOCK_S, chunk, triton.cdiv(S, chunk)  # no split left without slots
+
+
 def _finish_warps(split: bool, H_kv: int, G: int, chunk: int) -> int:
     """4 warps when the finish kernel also merges splits; scoring alone, a warp per 4,096 logits of a program's
     tile (Qwen3-8B's 8 x 4 x 128: one warp, the fastest), so that larger query groups get more warps, not spills."""
     tile = triton.next_power_of_2(H_kv) * triton.next_power_of_2(G) * chunk
     return 4 if split else max(1, tile // 4096)
+
+
+# a given query's finish program reads its KV head's whole row, this many slots of each head at a time: few
+# dependent rounds to memory at one row, where 8 programs are all there is
+GIVEN_CHUNK = 1024
 
 
 def _chunk_size(B: int, S: int, device: torch.device) -> int:
@@ -487,7 +634,7 @@ def _as_torch_op(fn):
 
 
 def _result_shapes(q, k, v, pos, per_head, n_sink, window, select, value_norm, decay, state, limit, vnorm, k_scale,
-                   v_scale, partial, v_top):
+                   v_scale, partial, v_top, given_query, pair_weight):
     """The op's results as empty tensors of their shapes: out [B, H_q, D], and the partial scores [B, S] fp32 or
     the winning (score, slot) key [B, H_kv] int64."""
     B, H_kv, S = pos.shape
@@ -510,7 +657,8 @@ def _unless_kept(v, v_scale, vnorm, v_top, value_norm: bool):
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head: bool, n_sink: int,
                          window: int, select: bool, value_norm: bool, decay: float, state: Optional[Tensor],
                          limit: Optional[Tensor], vnorm: Optional[Tensor], k_scale: Optional[Tensor],
-                         v_scale: Optional[Tensor], partial: bool, v_top: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                         v_scale: Optional[Tensor], partial: bool, v_top: Optional[Tensor],
+                         given_query: Optional[Tensor], pair_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     # value_norm, decay: the Scoring's fields. state is an optional in-place argument (the inferred schema reads
     # `Tensor(a!)? state`, which torch.compile functionalises like any mutated input; None: nothing mutated).
     # Launches: _attend_kernel; _finish_kernel if there are split partials to merge or slots to score.
@@ -521,11 +669,9 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     assert H_q % H_kv == 0 and D == triton.next_power_of_2(D) and pos.shape == (B, H_kv, S)
     assert limit is None or not select, "limit is for caches without selection (they fill in order)"
     assert not partial or (select and not per_head and state is None), "partial scores are per layer, no state"
-    BLOCK_S = 64 if D <= 128 else 32
-    n_blocks = triton.cdiv(S, BLOCK_S)
-    n_split = _split_count(B * H_kv, n_blocks, q.device)
-    chunk = triton.cdiv(n_blocks, n_split) * BLOCK_S  # whole blocks per split
-    n_split = triton.cdiv(S, chunk)  # no split left without slots
+    given = select and given_query is not None  # Scoring(query="given"): per head (check_given)
+    assert not given or D >= 32, "a given query's pair weights meet the keys' halves in a product of >= 16"
+    BLOCK_S, chunk, n_split = _slot_splits(B, H_kv, S, D, q.device)
     split = n_split > 1
     f32 = dict(device=q.device, dtype=torch.float32)
     unused = torch.empty(1, **f32)  # stands in for the buffers a launch does not touch
@@ -546,14 +692,15 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         unused if limit is None else limit, k_scale if fp8 else unused, v_scale if fp8 else unused,
         v_top.contiguous() if fp8 else unused, S, chunk,
         *q.stride(), *k.stride(), *v.stride(), *pos.stride(), *(k_scale.stride() if fp8 else (0,) * 3),
+        given_query.contiguous() if given else unused, pair_weight.contiguous() if given else unused,
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
         SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, HAS_LIMIT=limit is not None,
-        FP8_KV=fp8, FP16_PRODUCTS=fp8 and q.dtype in (torch.bfloat16, torch.float16),
+        FP8_KV=fp8, FP16_PRODUCTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), GIVEN=given,
         **(FP8_ATTEND_LAUNCH if fp8 else ATTEND_LAUNCH[select]))
 
     if split or select:
-        CHUNK = _chunk_size(B, S, q.device)
-        n_chunks = triton.cdiv(S, CHUNK) if select else 0
+        CHUNK = GIVEN_CHUNK if given else _chunk_size(B, S, q.device)
+        n_chunks = H_kv if given else triton.cdiv(S, CHUNK) if select else 0
         torch.library.wrap_triton(_finish_kernel)[(B, n_chunks + (H_kv if split else 0))](
             m, l, o, out, vnorm if value_norm else unused, logits, newest, pos, unused if state is None else state,
             key, part, S, n_split, n_chunks, n_sink, window, *pos.stride(),
@@ -561,8 +708,8 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
             H_KV=H_kv, G=G, KV_POW2=triton.next_power_of_2(H_kv), G_POW2=triton.next_power_of_2(G), D=D,
             NS_PAD=triton.next_power_of_2(n_split), CHUNK=CHUNK, SPLIT=split, PER_HEAD=per_head,
             PROTECT=n_sink > 0 or window > 0, PARTIAL=partial,
-            VALUE_NORM=value_norm, HAS_STATE=state is not None, DECAY=decay,
-            num_warps=_finish_warps(split, H_kv, G, CHUNK))
+            VALUE_NORM=value_norm, HAS_STATE=state is not None, DECAY=decay, GIVEN=given,
+            num_warps=4 if given else _finish_warps(split, H_kv, G, CHUNK))
     if partial:
         return out, part
     return out, key  # with selection, the winning (score, slot) key: decode_attention unpacks the slot
@@ -587,7 +734,8 @@ def check_support(device: torch.device, head_dim: int, kv_dtype=None):
 
 
 def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=True, scoring=LONGFLOW,
-                     state=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None):
+                     state=None, limit=None, vnorm=None, k_scale=None, v_scale=None, partial=False, v_top=None,
+                     given_query=None, pair_weight=None):
     """Triton version of decode_attention_ref (same arguments, same results); see that for the meaning."""
     if not HAS_TRITON:
         raise RuntimeError("decoding on CUDA runs Triton kernels, and Triton is not installed: pip install triton")
@@ -601,9 +749,10 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
     if partial and per_head:
         raise ValueError("the kernel's partial scores are per layer (per_head=False)")
     check_state(scoring, state, partial, select)
+    check_given(scoring, given_query, pair_weight, per_head, select)
     out, second = torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select,
                                                       scoring.value_norm, scoring.decay, state, limit, vnorm, k_scale,
-                                                      v_scale, partial, v_top)
+                                                      v_scale, partial, v_top, given_query, pair_weight)
     # the slot is the low half of the winning key, unpacked here, outside the op: inside it, it would be an eager
     # launch of its own; here the compiler fuses it into whatever reads the slot
     return out, second & 0xFFFFFFFF if select and not partial else second

@@ -279,8 +279,9 @@ class Full(Policy):
 @dataclass(frozen=True)
 class KernelPolicy(Policy):
     """Scored inside the fused attention kernel, in the same pass over K and V, by what `scoring` declares
-    (kernel.Scoring: the current query's alpha, times ||v||_1 or not, kept in a per-slot state or not). What it
-    keeps follows from that declaration: each slot's ||v||_1, and the state."""
+    (kernel.Scoring: the current query's alpha, times ||v||_1 or not, kept in a per-slot state or not; or a
+    query the policy gives each step, `given`). What it keeps follows from that declaration: each slot's
+    ||v||_1, and the state."""
     scoring: ClassVar[kernel.Scoring] = kernel.Scoring()
 
     def __init_subclass__(cls, **kwargs):
@@ -295,8 +296,14 @@ class KernelPolicy(Policy):
         # tensor parallel, one decision per layer: the kernel gives this rank's part of the score, not a slot
         together = not self.per_head and cache.tp.size > 1
         out, evict = cache.attention(c, q, select=True, scoring=self.scoring, vnorm=c.kept.get("value_l1"),
-                                     state=None if together else c.kept.get("state"), partial=together)
+                                     state=None if together else c.kept.get("state"), partial=together,
+                                     given=self.given(c, now))
         return out, self.decide_together(cache, c, evict) if together else evict
+
+    def given(self, c, now) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With Scoring(query="given"): the query [B, H_q, D] that scores layer c's keys this step (now [B]: each
+        row's newest position) and the weights of their pairs' magnitudes [H_q, D/2]; None for the others."""
+        return None
 
     def decide_together(self, cache, c, part):
         """This rank's score part [B, S] (the mean over its heads) becomes the layer's mean over every
@@ -311,8 +318,10 @@ class KernelPolicy(Policy):
         from the kernel; prompt compression by the policy's own rule and the tests read this."""
         if self.scoring.keeps_state:
             return c.kept["state"] if self.per_head else c.kept["state"][:, :1]
-        part = kernel.decode_attention_ref(q, c.k, c.v, c.pos, per_head=self.per_head, scoring=self.scoring,
-                                           vnorm=c.kept.get("value_l1"), partial=True)[1]
+        given_query, pair_weight = self.given(c, now) or (None, None)
+        part = kernel.decode_attention_ref(q, c.k, c.v, c.pos, per_head=self.per_head, n_sink=self.n_sink,
+                                           window=self.window, scoring=self.scoring, vnorm=c.kept.get("value_l1"),
+                                           partial=True, given_query=given_query, pair_weight=pair_weight)[1]
         return part if self.per_head else part[:, None]
 
     def prompt_seed(self, cache, q, k, v, positions):
@@ -575,12 +584,14 @@ TRI_ATTENTION_SCALING = 1.0
 
 
 @dataclass(frozen=True)
-class TriAttention(Policy):
+class TriAttention(KernelPolicy):
     """TriAttention (Mao et al. 2026), one eviction per step, per KV head: each slot's key is scored against
     the model's mean query (calibration.py's statistics of this model, `eval.py calibrate`) as if it came at the
     next position plus each of TRI_OFFSETS, averaged, plus how much the queries' magnitude strays from their
-    mean; z-scored per query head over the slots that can go, then the maximum over the KV head's query group
-    (triattention_score). The most recent 6.25% of the budget stay (its vLLM plugin's 128 of 2,048)."""
+    mean; z-scored per query head over the slots that can go, then the maximum over the KV head's query group.
+    That is linear in the key but for its pairs' magnitudes (tri_layer_data), so the fused kernel scores it as a
+    given query (kernel.given_score). The most recent 6.25% of the budget stay (its vLLM plugin's 128 of 2,048)."""
+    scoring = kernel.Scoring(query="given")
     per_head: bool = True
     stats: calibration.QueryStats | None = None  # this model's (for_model), under tensor parallel this rank's heads
     window_share = 0.0625
@@ -598,8 +609,13 @@ class TriAttention(Policy):
         F = cfg.head_dim // 2
         return 4 * (cfg.n_heads * (cfg.head_dim + F) + F)  # tri_layer_data's fp32 tensors
 
-    def score(self, c, q, now):
-        return triattention_score(c, now + 1, kernel.protected_mask(c.pos, self.n_sink, self.window))
+    def given(self, c, now):
+        """The mean query's vector u (tri_layer_data) turned by RoPE to each row's next position, now + 1."""
+        u = c.data["tri_query"]  # [H_q, D]
+        angle = (now + 1).double()[:, None, None] * c.data["tri_freq"].double()  # [B, 1, F]: fp64, t w runs to
+        cos, sin = angle.cos().float(), angle.sin().float()  # thousands of radians
+        ur, ui = u.chunk(2, -1)  # [H_q, F]
+        return torch.cat((ur * cos - ui * sin, ur * sin + ui * cos), -1), c.data["tri_weight"]  # [B, H_q, D]
 
 
 def tri_layer_data(stats: calibration.QueryStats, index: int) -> dict[str, torch.Tensor]:
@@ -618,29 +634,6 @@ def tri_layer_data(stats: calibration.QueryStats, index: int) -> dict[str, torch
     weight = TRI_ATTENTION_SCALING ** 2 * (stats.q_abs_mean[index].double() - qbar.abs())
     return {"tri_query": torch.cat((u.real, u.imag), -1).float(), "tri_weight": weight.float(),
             "tri_freq": stats.inv_freq.float()}
-
-
-def triattention_score(c, t0, protected):
-    """TriAttention's score of every slot of layer c at next positions t0 [B] (tri_layer_data's form): per query
-    head h, raw_h = k . RoPE(u_h, t0) + sum_f weight_hf |k_f|, then z_h = (raw_h - mean) / std over the slots
-    held and not protected (the population std, at least 1e-6), and the maximum of z_h over the KV head's query
-    group: [B, H_kv, S]. protected: [B, H_kv, S]."""
-    B, H, S, D = c.k.shape
-    u, weight = c.data["tri_query"], c.data["tri_weight"]  # [H_q, D], [H_q, F]
-    G = u.shape[0] // H
-    angle = t0.double()[:, None, None] * c.data["tri_freq"].double()  # [B, 1, F], in fp64: t0 w runs to thousands
-    cos, sin = angle.cos().float(), angle.sin().float()
-    ur, ui = u.chunk(2, -1)  # [H_q, F]
-    query = torch.cat((ur * cos - ui * sin, ur * sin + ui * cos), -1)  # [B, H_q, D]: u turned by RoPE to t0
-    k = c.k.float()
-    kr, ki = k.chunk(2, -1)  # [B, H_kv, S, F]
-    raw = query.view(B, H, G, D) @ k.transpose(-1, -2) + \
-        weight.view(H, G, -1) @ torch.hypot(kr, ki).transpose(-1, -2)  # [B, H_kv, G, S]
-    scored = ((c.pos >= 0) & ~protected)[:, :, None]  # [B, H_kv, 1, S]
-    n = scored.sum(-1, keepdim=True).clamp(min=1)
-    mean = torch.where(scored, raw, 0.0).sum(-1, keepdim=True) / n
-    std = (torch.where(scored, raw - mean, 0.0).square().sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-6)
-    return ((raw - mean) / std).amax(2)
 
 
 POLICIES = {

@@ -17,6 +17,7 @@ that are not, so other code), views with unaligned offsets, _finish_kernel, othe
 of the PTX. Identical instructions mean identical speed in these launches; different ones need the GPU
 (tests/gpu_compare.sh).
 """
+import difflib
 import importlib.util
 import os
 import re
@@ -31,14 +32,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ("SPLIT", "SELECT", "VALUE_NORM", "HAS_LIMIT", "FP8_KV", "FP16_PRODUCTS")
+FLAGS = ("SPLIT", "SELECT", "VALUE_NORM", "HAS_LIMIT", "FP8_KV", "FP16_PRODUCTS", "GIVEN")
 H_KV, G, D, SLOTS = 8, 4, 128, 3200  # Qwen3-8B's KV heads, query heads per KV head and head_dim; longflow:3200
 CONSTANTS = dict(H_KV=H_KV, G=G, G_PAD=16, D=D, BLOCK_S=64, SCALE=1 / D ** 0.5)  # as kernel.py launches them
 CONFIGS = {
-    "bf16, longflow (select, ||v||_1)": (False, True, True, False, False, False),
-    "bf16, longflow, split": (True, True, True, False, False, False),
-    "bf16, full cache (limit, split)": (True, False, False, True, False, False),
-    "fp8, longflow": (False, True, True, False, True, True),
+    "bf16, longflow (select, ||v||_1)": (False, True, True, False, False, False, False),
+    "bf16, longflow, split": (True, True, True, False, False, False, False),
+    "bf16, full cache (limit, split)": (True, False, False, True, False, False, False),
+    "fp8, longflow": (False, True, True, False, True, True, False),
 }
 
 
@@ -123,7 +124,9 @@ def main(rev: str):
     same = True
     for name, flags in CONFIGS.items():
         a, b = instructions(old, flags), instructions(new, flags)
-        differing = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+        # lines added or removed count once, and shift nothing after them (a new argument's .param line)
+        differing = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+            None, a, b, autojunk=False).get_opcodes() if tag != "equal")
         same &= differing == 0
         print(f"{name}: {len(a)} -> {len(b)} PTX lines, {'identical' if differing == 0 else f'{differing} differ'}; "
               f"the loop over slots {loop_length(a)} -> {loop_length(b)} instructions")

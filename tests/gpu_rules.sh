@@ -12,12 +12,12 @@ cd "$(dirname "$0")/.."
 source tests/gpu_common.sh "$@"
 case "$1" in
 kernel)
-  timeout 120 python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1
+  timeout ${TESTS_S:-120} python -m pytest -q tests/test_kernel.py -p no:cacheprovider >> $log 2>&1
   echo "kernel tests rc=$?" >> $log
   for round in ${ROUNDS:-1 2}; do
     for tree in before after; do
       dir=$([ $tree = before ] && echo before || echo .)
-      (cd $dir && timeout 80 python bench.py kernel --batch 1 64 256 --json $OUT/kernel_${tree}_$round.json \
+      (cd $dir && timeout ${KERNEL_S:-80} python bench.py kernel --batch 1 64 256 --json $OUT/kernel_${tree}_$round.json \
         > /dev/null 2>> $log)
       echo "kernel $tree $round rc=$?" >> $log
     done
@@ -26,8 +26,8 @@ step)
   timeout ${GRAPH_S:-300} python -m pytest -q tests/test_generate.py -p no:cacheprovider \
     -k "cuda_graph_replay and (${GRAPHED:-longflow or lazy or snapkv or triattention})" >> $log 2>&1
   echo "graph tests rc=$?" >> $log
-  for policy in ${POLICIES:-longflow longflow-ema h2o snapkv-decode lazy}; do
-    timeout 50 python bench.py step --shape Qwen3-8B --batch ${BATCHES:-1 64} --policy $policy \
+  for policy in ${POLICIES:-longflow longflow-ema h2o snapkv-decode lazy triattention}; do
+    timeout ${STEP_S:-50} python bench.py step --shape Qwen3-8B --batch ${BATCHES:-1 64} --policy $policy \
       --json $OUT/step_$policy.json >> $log 2>&1
     echo "step $policy rc=$?" >> $log
   done ;;

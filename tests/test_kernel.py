@@ -314,6 +314,123 @@ def test_accumulated_scores_over_chunks(chunked, per_head, scoring):
     assert state_ref.max() < 0  # still negative after both steps
 
 
+# ---- a given query (TriAttention): each key scored against it, z-scored per head, the group's maximum ----
+GIVEN = kernel.Scoring(query="given")
+
+
+def given_inputs(B, H_q, D, seed=6):
+    """A given query [B, H_q, D] and pair weights [H_q, D/2] (TriAttention's: a mean magnitude above the magnitude
+    of the mean, so positive)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H_q, D, generator=g).to(DEVICE), torch.rand(H_q, D // 2, generator=g).to(DEVICE)
+
+
+@pytest.mark.parametrize("chunk", [1024, 16], ids=["chunks_of_1024", "chunks_of_16"])
+@pytest.mark.parametrize("B, H_q, H_kv, D, S, n_empty, n_sink, window", [
+    (2, 8, 2, 64, 100, 5, 0, 8),  # a group of 4, some empty slots, a window
+    (1, 8, 1, 128, 333, 20, 4, 30),  # a group of 8, split across programs, sinks too
+    (1, 6, 2, 128, 70, 69, 0, 0),  # 3:1 (padded), all empty but one
+    (8, 16, 4, 32, 60, 2, 2, 10),  # 32 decisions of groups of 4
+])
+def test_kernel_scores_by_a_given_query_as_the_reference(B, H_q, H_kv, D, S, n_empty, n_sink, window, chunk,
+                                                          monkeypatch):
+    """fp32 through the interpreter: the same slot in every row and KV head (the z-scores' mean and spread
+    merged chunk by chunk in the kernel, summed at once in the reference), the same attention output; with a
+    zero given query, the pairs' magnitudes alone decide."""
+    monkeypatch.setattr(kernel, "GIVEN_CHUNK", chunk)
+    args = make_inputs(B, H_q, H_kv, S, D, n_empty)
+    given_query, pair_weight = given_inputs(B, H_q, D)
+    for given_query in (given_query, torch.zeros_like(given_query)):
+        options = dict(per_head=True, n_sink=n_sink, window=window, scoring=GIVEN, given_query=given_query,
+                       pair_weight=pair_weight)
+        assert_same(kernel.decode_attention(*args, **options), kernel.decode_attention_ref(*args, **options))
+
+
+def test_a_given_query_scores_keys_not_attention(monkeypatch):
+    """The slot evicted is given_score's lowest, whatever the current query: a key opposite the given query in
+    every head of the group goes; a key along it stays even when the current query ignores it. Chunks of 16
+    slots: the spread is merged across seven."""
+    monkeypatch.setattr(kernel, "GIVEN_CHUNK", 16)
+    q, k, v, pos = make_inputs(1, 4, 1, 100, 32, seed=8)
+    given_query, pair_weight = given_inputs(1, 4, 32)
+    k[0, 0, 61] = -given_query[0].sum(0) * 2  # opposite the group's given query
+    options = dict(per_head=True, scoring=GIVEN, given_query=given_query, pair_weight=torch.zeros_like(pair_weight))
+    for fn in (kernel.decode_attention, kernel.decode_attention_ref):
+        assert fn(q, k, v, pos, **options)[1].tolist() == [[61]]
+        assert fn(-q, k, v, pos, **options)[1].tolist() == [[61]]  # the current query does not enter
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_the_z_scores_spread_is_the_rows_when_each_chunk_is_far_from_it(B, monkeypatch):
+    """Two query heads, one scoring keys along a ramp over the slots (each chunk of 16 far from the row's mean
+    and spread), the other at random: the group's maximum of z-scores weighs them evenly only with the row's
+    mean and spread, which the kernel merges from its chunks'."""
+    monkeypatch.setattr(kernel, "GIVEN_CHUNK", 16)
+    q, k, v, pos = make_inputs(B, 2, 1, 100, 32, seed=11)
+    k[:, 0, :, 0] = torch.linspace(-1, 1, 100, device=DEVICE)  # head 0's raw score: a ramp
+    given_query = torch.zeros(B, 2, 32, device=DEVICE)
+    given_query[:, 0, 0], given_query[:, 1, 1] = 1.0, 1.0
+    options = dict(per_head=True, scoring=GIVEN, given_query=given_query, pair_weight=torch.zeros(2, 16, device=DEVICE))
+    assert_same(kernel.decode_attention(q, k, v, pos, **options), kernel.decode_attention_ref(q, k, v, pos, **options))
+
+
+def test_the_pair_weights_score_the_pairs_magnitudes():
+    """With a zero given query only sum_f w_f |k_f| is left: the key of the smallest pairs (k[f], k[f + D/2])
+    goes, here one made short in both halves of the pairs the weights count (w 0 elsewhere), not one short in
+    their first halves alone, in the kernel and the reference alike."""
+    q, k, v, pos = make_inputs(1, 4, 2, 50, 32, seed=9)
+    pair_weight = torch.zeros(4, 16, device=DEVICE)
+    pair_weight[:, :4] = 1.0
+    k[0, 1, 12, [0, 1, 2, 3]], k[0, 1, 12, [16, 17, 18, 19]] = 1e-3, 3.0  # short first halves only
+    k[0, 1, 17, [0, 1, 2, 3, 16, 17, 18, 19]] = 1e-3  # both halves of pairs 0-3
+    options = dict(per_head=True, scoring=GIVEN, given_query=torch.zeros(1, 4, 32, device=DEVICE),
+                   pair_weight=pair_weight)
+    for fn in (kernel.decode_attention, kernel.decode_attention_ref):
+        assert fn(q, k, v, pos, **options)[1][0, 1].item() == 17
+
+
+def test_fp8_kernel_scores_by_a_given_query_as_the_reference():
+    """An FP8 cache: the keys' e4m3 bits scored, then times their scales (both terms scale with the key)."""
+    q, k, v, pos = make_inputs(2, 8, 2, 200, 64, n_empty=4, seed=10)
+    (kb, ks), (vb, vs) = kernel.quantize(k), kernel.quantize(v)
+    given_query, pair_weight = given_inputs(2, 8, 64)
+    options = dict(per_head=True, window=8, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight,
+                   k_scale=ks, v_scale=vs)
+    assert_same(kernel.decode_attention(q, kb, vb, pos, **options),
+                kernel.decode_attention_ref(q, kb, vb, pos, **options))
+
+
+@BOTH
+def test_a_given_query_is_for_its_scoring_alone_and_decides_per_head(fn):
+    q, k, v, pos = make_inputs(1, 4, 2, 40, 32)
+    given_query, pair_weight = given_inputs(1, 4, 32)
+    with pytest.raises(ValueError, match="takes given_query and pair_weight, and only it"):
+        fn(q, k, v, pos, per_head=True, scoring=GIVEN)
+    with pytest.raises(ValueError, match="takes given_query and pair_weight, and only it"):
+        fn(q, k, v, pos, per_head=True, given_query=given_query, pair_weight=pair_weight)
+    with pytest.raises(ValueError, match="decides per KV head"):
+        fn(q, k, v, pos, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight)
+    with pytest.raises(ValueError, match="a given one takes no value norm and no update"):
+        kernel.Scoring(value_norm=True, query="given")
+
+
+@gpu_only
+@pytest.mark.parametrize("B, S", [(1, 3200), (64, 1000)])  # Qwen3-8B heads
+def test_bf16_given_query_scores_within_tolerance(B, S):
+    """bf16 keys meet the given query in bf16, as the logits do: near-tied z-scores may swap, so the chosen
+    slot's fp32 z-score is the lowest to within 0.05 (z is in standard deviations)."""
+    q, k, v, pos = make_inputs(B, 32, 8, S, 128, dtype=torch.bfloat16)
+    given_query, pair_weight = given_inputs(B, 32, 128)
+    options = dict(per_head=True, window=64, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight)
+    out, evict = kernel.decode_attention(q, k, v, pos, **options)
+    want_out, _ = kernel.decode_attention_ref(q, k, v, pos, **options)
+    torch.testing.assert_close(out, want_out, atol=2e-2, rtol=2e-2)
+    protected = kernel.protected_mask(pos, 0, 64)
+    z = kernel.given_score(k, pos, given_query, pair_weight, protected).masked_fill(protected, math.inf)
+    assert not protected.gather(-1, evict[..., None]).any()
+    assert (z.gather(-1, evict[..., None])[..., 0] <= z.amin(-1) + 0.05).all()
+
+
 # torch.compile hands a user kernel's float arguments to Triton as fp64 and its ints possibly as int64; the
 # Triton frontend then rejects a loop whose carried values change type (fp32 * fp64 -> fp64). The frontend
 # needs no GPU but cannot run under the interpreter, hence a fresh process.
@@ -360,7 +477,9 @@ FRONTEND = textwrap.dedent("""
     SUM, EMA = kernel.Scoring(update="sum"), kernel.Scoring(value_norm=True, update="ema", decay=0.9)
     for kw in [{}, dict(per_head=True, n_sink=2, window=3, scoring=SUM, state=state),
                dict(n_sink=2, scoring=SUM, state=state), dict(per_head=True, scoring=EMA, state=state),
-               dict(select=False), dict(per_head=True, scoring=kernel.Scoring()), dict(vnorm=state)]:
+               dict(select=False), dict(per_head=True, scoring=kernel.Scoring()), dict(vnorm=state),
+               dict(per_head=True, window=3, scoring=kernel.Scoring(query="given"), given_query=q,
+                    pair_weight=torch.zeros(8, 32))]:
         for kernel._split_count in (split_count, lambda *_: 1):
             kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pos.int(), **kw)
 """)
@@ -371,7 +490,7 @@ def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.abspath(kernel.__file__)))
     run = subprocess.run([sys.executable, "-c", FRONTEND], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split().count("_attend_kernel") == 14 and run.stdout.split().count("_finish_kernel") == 13
+    assert run.stdout.split().count("_attend_kernel") == 16 and run.stdout.split().count("_finish_kernel") == 15
 
 
 @pytest.mark.skipif(CUDA, reason="where CUDA is, the kernels can launch")
