@@ -961,7 +961,8 @@ def check_used(args, p: Parser):
     engine_runs = w in ("throughput", "generate", "long-prompt") or args.validate
     if "triattention" in args.policy and engine_runs and not args.model:
         raise ValueError("policy triattention reads a checkpoint's calibrated statistics: on random weights (--shape) "
-                         "only bench.py step times it (with random ones); give --model DIR, calibrated, for this")
+                         "only bench.py step and kernel time it (with random ones); give --model DIR, calibrated, "
+                         "for this")
     unfused = [name for name in args.policy if not isinstance(POLICIES[name], KernelPolicy)]
     if w == "kernel" and unfused:
         raise ValueError(f"the kernel workload times the rules the fused kernel scores, not {', '.join(unfused)}: "

@@ -128,7 +128,8 @@ def check_state(scoring: Scoring, state, partial: bool, select: bool):
 
 def check_given(scoring: Scoring, given_query, pair_weight, per_head: bool, select: bool):
     """A given query and its pair weights exactly for a scoring by a given query, which decides per KV head."""
-    if select and (scoring.query == "given") != (given_query is not None and pair_weight is not None):
+    given = scoring.query == "given" and select
+    if (given_query is not None, pair_weight is not None) != (given, given):
         raise ValueError(f"a scoring by a given query takes given_query and pair_weight, and only it: {scoring!r}")
     if select and scoring.query == "given" and not per_head:
         raise ValueError("a scoring by a given query decides per KV head (per_head=True): its z-scores are per head")

@@ -206,7 +206,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
                  "--profile lists the CUDA kernels", id="profile-on-cpu"),
     pytest.param("kernel --batch 1 --policy longflow streaming", "the kernel workload times the rules the fused "
                  "kernel scores, not streaming", id="kernel-with-a-rule-it-does-not-score"),
-    pytest.param(f"{SMALL} --policy triattention", "only bench.py step times it", id="triattention-on-random-weights"),
+    pytest.param(f"{SMALL} --policy triattention", "only bench.py step and kernel time it", id="triattention-on-random-weights"),
     pytest.param(f"{SMALL} --validate 1", "--validate runs that many", id="validate-one-token"),
     pytest.param(f"{SMALL} --validate 25", "give 2 to 24", id="validate-past-the-run"),
     pytest.param(f"{SMALL} --policy full", "--policy full keeps every token and takes no --budget",

@@ -326,24 +326,36 @@ def given_inputs(B, H_q, D, seed=6):
 
 
 @pytest.mark.parametrize("chunk", [1024, 16], ids=["chunks_of_1024", "chunks_of_16"])
-@pytest.mark.parametrize("B, H_q, H_kv, D, S, n_empty, n_sink, window", [
-    (2, 8, 2, 64, 100, 5, 0, 8),  # a group of 4, some empty slots, a window
-    (1, 8, 1, 128, 333, 20, 4, 30),  # a group of 8, split across programs, sinks too
-    (1, 6, 2, 128, 70, 69, 0, 0),  # 3:1 (padded), all empty but one
-    (8, 16, 4, 32, 60, 2, 2, 10),  # 32 decisions of groups of 4
+@pytest.mark.parametrize("B, H_q, H_kv, D, S, n_sink, window", [
+    (2, 8, 2, 64, 100, 0, 8),  # a group of 4, a window
+    (1, 8, 1, 128, 333, 4, 30),  # a group of 8, split across programs, sinks too
+    (2, 6, 2, 128, 70, 0, 0),  # 3:1 (padded)
+    (8, 16, 4, 32, 60, 2, 10),  # 32 decisions of groups of 4
 ])
-def test_kernel_scores_by_a_given_query_as_the_reference(B, H_q, H_kv, D, S, n_empty, n_sink, window, chunk,
-                                                          monkeypatch):
-    """fp32 through the interpreter: the same slot in every row and KV head (the z-scores' mean and spread
-    merged chunk by chunk in the kernel, summed at once in the reference), the same attention output; with a
-    zero given query, the pairs' magnitudes alone decide."""
+def test_kernel_scores_by_a_given_query_as_the_reference(B, H_q, H_kv, D, S, n_sink, window, chunk, monkeypatch):
+    """fp32 through the interpreter, every slot full (so the scores decide): the same slot in every row and KV
+    head (the z-scores' mean and spread merged chunk by chunk in the kernel, summed at once in the reference),
+    the same attention output; with a zero given query, the pairs' magnitudes alone decide."""
     monkeypatch.setattr(kernel, "GIVEN_CHUNK", chunk)
-    args = make_inputs(B, H_q, H_kv, S, D, n_empty)
+    args = make_inputs(B, H_q, H_kv, S, D)
     given_query, pair_weight = given_inputs(B, H_q, D)
     for given_query in (given_query, torch.zeros_like(given_query)):
         options = dict(per_head=True, n_sink=n_sink, window=window, scoring=GIVEN, given_query=given_query,
                        pair_weight=pair_weight)
         assert_same(kernel.decode_attention(*args, **options), kernel.decode_attention_ref(*args, **options))
+
+
+def test_a_given_query_skips_what_empty_slots_hold(monkeypatch):
+    """Empty slots holding an earlier sequence's keys, far out (not zeros): the held slots' mean and spread
+    leave them out, before and after some of them are filled (with the newest position), as the reference."""
+    monkeypatch.setattr(kernel, "GIVEN_CHUNK", 16)
+    q, k, v, pos = make_inputs(2, 8, 2, 100, 64, n_empty=6, seed=12)
+    k[pos < 0] = torch.randn_like(k[pos < 0]) * 30  # stale keys, far out
+    given_query, pair_weight = given_inputs(2, 8, 64)
+    options = dict(per_head=True, window=8, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight)
+    assert_same(kernel.decode_attention(q, k, v, pos, **options), kernel.decode_attention_ref(q, k, v, pos, **options))
+    pos[..., :50][pos[..., :50] < 0] = 300  # some empty slots filled: the rest stay empty and stale
+    assert_same(kernel.decode_attention(q, k, v, pos, **options), kernel.decode_attention_ref(q, k, v, pos, **options))
 
 
 def test_a_given_query_scores_keys_not_attention(monkeypatch):
@@ -391,11 +403,12 @@ def test_the_pair_weights_score_the_pairs_magnitudes():
 
 def test_fp8_kernel_scores_by_a_given_query_as_the_reference():
     """An FP8 cache: the keys' e4m3 bits scored, then times their scales (both terms scale with the key)."""
-    q, k, v, pos = make_inputs(2, 8, 2, 200, 64, n_empty=4, seed=10)
+    q, k, v, pos = make_inputs(2, 8, 2, 200, 64, seed=10)
+    k = k * torch.linspace(0.1, 10, 200, device=DEVICE)[:, None]  # scales that differ from slot to slot
     (kb, ks), (vb, vs) = kernel.quantize(k), kernel.quantize(v)
     given_query, pair_weight = given_inputs(2, 8, 64)
-    options = dict(per_head=True, window=8, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight,
-                   k_scale=ks, v_scale=vs)
+    options = dict(per_head=True, n_sink=2, window=8, scoring=GIVEN, given_query=given_query,
+                   pair_weight=pair_weight, k_scale=ks, v_scale=vs)
     assert_same(kernel.decode_attention(q, kb, vb, pos, **options),
                 kernel.decode_attention_ref(q, kb, vb, pos, **options))
 
