@@ -419,8 +419,9 @@ def test_a_given_query_is_for_its_scoring_alone_and_decides_per_head(fn):
     given_query, pair_weight = given_inputs(1, 4, 32)
     with pytest.raises(ValueError, match="takes given_query and pair_weight, and only it"):
         fn(q, k, v, pos, per_head=True, scoring=GIVEN)
-    with pytest.raises(ValueError, match="takes given_query and pair_weight, and only it"):
-        fn(q, k, v, pos, per_head=True, given_query=given_query, pair_weight=pair_weight)
+    for stray in (dict(given_query=given_query, pair_weight=pair_weight), dict(given_query=given_query)):
+        with pytest.raises(ValueError, match="takes given_query and pair_weight, and only it"):
+            fn(q, k, v, pos, per_head=True, **stray)
     with pytest.raises(ValueError, match="decides per KV head"):
         fn(q, k, v, pos, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight)
     with pytest.raises(ValueError, match="a given one takes no value norm and no update"):
