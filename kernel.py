@@ -262,6 +262,7 @@ def _attend_kernel(
     SPLIT: tl.constexpr, SELECT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr,  # FP8 K/V; their products with 16-bit queries in fp16
     GIVEN: tl.constexpr,  # Scoring(query="given"): each head's raw score of the keys stored in place of its logits
+    HALF_PAD: tl.constexpr,  # D / 2, at least 16 (the smallest product tl.dot takes), for GIVEN's pair magnitudes
 ):
     """One program: all G query heads of one KV head over one split of the slots (K/V read once)."""
     b = (tl.program_id(0) // H_KV).to(tl.int64)
@@ -277,9 +278,9 @@ def _attend_kernel(
     given, weight = q_in, q_in  # with GIVEN: [G_PAD, D] and [G_PAD, D/2], in that dtype too
     if GIVEN:
         given = tl.load(given_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
-        half = tl.arange(0, D // 2)
-        weight = tl.load(weight_ptr + (kvh * G + rows)[:, None] * (D // 2) + half[None, :], mask=row_ok[:, None],
-                         other=0.0)
+        half = tl.arange(0, HALF_PAD)
+        weight = tl.load(weight_ptr + (kvh * G + rows)[:, None] * (D // 2) + half[None, :],
+                         mask=row_ok[:, None] & (half[None, :] < D // 2), other=0.0)
         given, weight = given.to(q_in.dtype), weight.to(q_in.dtype)
     k_ptr += b * sk_b + kvh * sk_h
     v_ptr += b * sv_b + kvh * sv_h
@@ -295,7 +296,7 @@ def _attend_kernel(
         end = tl.minimum(end, tl.load(limit_ptr + b * H_KV + kvh))
     m, l, acc, newest = _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr,
                                       heads, row_ok, dims, split * chunk, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
-                                      G_PAD, D, BLOCK_S, SCALE, SELECT, FP8_KV, FP16_PRODUCTS, GIVEN)
+                                      G_PAD, D, BLOCK_S, SCALE, SELECT, FP8_KV, FP16_PRODUCTS, GIVEN, HALF_PAD)
     if FP8_KV:
         acc *= top
     tl.store(key_ptr + b * H_KV + kvh, KEY_MAX if SELECT else -1, mask=split == 0)
@@ -309,7 +310,8 @@ def _attend_kernel(
 def _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, top, logit_ptr, heads, row_ok, dims,
                   first, end, S, sk_s, sk_d, sv_s, sv_d, sp_s, ss_s,
                   G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, SCALE: tl.constexpr,
-                  SELECT: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr, GIVEN: tl.constexpr):
+                  SELECT: tl.constexpr, FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr, GIVEN: tl.constexpr,
+                  HALF_PAD: tl.constexpr):
     """The online softmax of the group's queries q_in [G_PAD, D] over slots first .. end - 1, BLOCK_S at a
     time: returns its max and sum [G_PAD], the unnormalised output [G_PAD, D], and the newest position
     seen [BLOCK_S]. When selecting, each block's logits are stored on the way (for the score pass), or with
@@ -336,7 +338,8 @@ def _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, to
         if SELECT:  # the logits [B, H_q, S] for the score pass, stored while the block is in registers
             stored = s
             if GIVEN:
-                stored = _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D, FP8_KV, FP16_PRODUCTS)
+                stored = _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D, HALF_PAD, FP8_KV,
+                                    FP16_PRODUCTS)
                 if FP8_KV:  # both terms scale with the key
                     stored *= k_scale[None, :]
                 stored += bias[None, :]
@@ -356,15 +359,15 @@ def _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, to
 
 
 @triton.jit
-def _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D: tl.constexpr, FP8_KV: tl.constexpr,
-               FP16_PRODUCTS: tl.constexpr):
+def _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D: tl.constexpr, HALF_PAD: tl.constexpr,
+               FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
     """given_score's raw scores of a block of keys kb [BLOCK_S, D] (as the block's logits are computed: in the
     keys' dtype, an FP8 cache's without its scales): [G_PAD, BLOCK_S] = given . k + weight . |k_f|, the pairs'
-    magnitudes from the key's two halves (loaded again: the block's lines are in L1)."""
-    half = tl.arange(0, D // 2)[None, :]
-    at = k_ptr + slots[:, None] * sk_s + half * sk_d
-    kr = tl.load(at, mask=in_range[:, None], other=0.0)  # [BLOCK_S, D/2]
-    ki = tl.load(at + (D // 2) * sk_d, mask=in_range[:, None], other=0.0)
+    magnitudes from the key's two halves (loaded again: the block's lines are in L1), zero past D/2."""
+    half = tl.arange(0, HALF_PAD)[None, :]
+    at, mask = k_ptr + slots[:, None] * sk_s + half * sk_d, in_range[:, None] & (half < D // 2)
+    kr = tl.load(at, mask=mask, other=0.0)  # [BLOCK_S, HALF_PAD]
+    ki = tl.load(at + (D // 2) * sk_d, mask=mask, other=0.0)
     if FP8_KV:  # e4m3 bits, as _from_fp8 made the block's
         kr, ki = _from_fp8(kr, FP16_PRODUCTS), _from_fp8(ki, FP16_PRODUCTS)
     kr, ki = kr.to(tl.float32), ki.to(tl.float32)
@@ -671,7 +674,6 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
     assert limit is None or not select, "limit is for caches without selection (they fill in order)"
     assert not partial or (select and not per_head and state is None), "partial scores are per layer, no state"
     given = select and given_query is not None  # Scoring(query="given"): per head (check_given)
-    assert not given or D >= 32, "a given query's pair weights meet the keys' halves in a product of >= 16"
     BLOCK_S, chunk, n_split = _slot_splits(B, H_kv, S, D, q.device)
     split = n_split > 1
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -697,6 +699,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         H_KV=H_kv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_S=BLOCK_S,
         SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, HAS_LIMIT=limit is not None,
         FP8_KV=fp8, FP16_PRODUCTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), GIVEN=given,
+        HALF_PAD=max(16, D // 2),
         **(FP8_ATTEND_LAUNCH if fp8 else ATTEND_LAUNCH[select]))
 
     if split or select:

@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ("SPLIT", "SELECT", "VALUE_NORM", "HAS_LIMIT", "FP8_KV", "FP16_PRODUCTS", "GIVEN")
 H_KV, G, D, SLOTS = 8, 4, 128, 3200  # Qwen3-8B's KV heads, query heads per KV head and head_dim; longflow:3200
-CONSTANTS = dict(H_KV=H_KV, G=G, G_PAD=16, D=D, BLOCK_S=64, SCALE=1 / D ** 0.5)  # as kernel.py launches them
+CONSTANTS = dict(H_KV=H_KV, G=G, G_PAD=16, D=D, BLOCK_S=64, SCALE=1 / D ** 0.5, HALF_PAD=D // 2)  # as kernel.py launches them
 CONFIGS = {
     "bf16, longflow (select, ||v||_1)": (False, True, True, False, False, False, False),
     "bf16, longflow, split": (True, True, True, False, False, False, False),
