@@ -330,7 +330,7 @@ def given_inputs(B, H_q, D, seed=6):
     (2, 8, 2, 64, 100, 0, 8),  # a group of 4, a window
     (1, 8, 1, 128, 333, 4, 30),  # a group of 8, split across programs, sinks too
     (2, 6, 2, 128, 70, 0, 0),  # 3:1 (padded)
-    (8, 16, 4, 32, 60, 2, 10),  # 32 decisions of groups of 4
+    (4, 16, 4, 32, 60, 2, 10),  # 16 decisions of groups of 4
     (2, 4, 2, 16, 50, 0, 4),  # head_dim 16 (the tests' tiny models): pairs padded to the 16 a product takes
 ])
 def test_kernel_scores_by_a_given_query_as_the_reference(B, H_q, H_kv, D, S, n_sink, window, chunk, monkeypatch):
