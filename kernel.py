@@ -241,6 +241,7 @@ KEY_MAX = tl.constexpr(2**63 - 1)  # above every packed (score, slot) key: the s
 # settings"): attention by selection, attention over an FP8 cache, the finish kernel (_finish_warps)
 ATTEND_LAUNCH = {True: dict(num_warps=2, num_stages=2), False: dict(num_warps=4, num_stages=2)}
 FP8_ATTEND_LAUNCH = dict(num_warps=2, num_stages=3)
+GIVEN_ATTEND_LAUNCH = dict(num_warps=2, num_stages=2)  # selection's, not swept yet (tests/gpu_given_sweep.py)
 
 
 @triton.jit
@@ -275,13 +276,10 @@ def _attend_kernel(
     q = tl.load(q_ptr + b * sq_b + (kvh * G + rows)[:, None] * sq_h + dims[None, :] * sq_d,
                 mask=row_ok[:, None], other=0.0)  # [G_PAD, D]
     q_in = q.to(tl.float16) if FP16_PRODUCTS else q  # in the dtype the keys meet it in
-    given, weight = q_in, q_in  # with GIVEN: [G_PAD, D] and [G_PAD, D/2], in that dtype too
+    given, weight = q_in, q_in  # with GIVEN: the group's given query and pair weights (_given_tiles)
     if GIVEN:
-        given = tl.load(given_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
-        half = tl.arange(0, HALF_PAD)
-        weight = tl.load(weight_ptr + (kvh * G + rows)[:, None] * (D // 2) + half[None, :],
-                         mask=row_ok[:, None] & (half[None, :] < D // 2), other=0.0)
-        given, weight = given.to(q_in.dtype), weight.to(q_in.dtype)
+        given, weight = _given_tiles(given_ptr, weight_ptr, heads, kvh * G + rows, row_ok, dims, q_in.dtype, D,
+                                     HALF_PAD)
     k_ptr += b * sk_b + kvh * sk_h
     v_ptr += b * sv_b + kvh * sv_h
     pos_ptr += b * sp_b + kvh * sp_h
@@ -356,6 +354,17 @@ def _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, to
         acc = acc * corr[:, None] + tl.dot(e.to(vb.dtype), vb, input_precision="ieee")
         m = m_new
     return m, l, acc, newest
+
+
+@triton.jit
+def _given_tiles(given_ptr, weight_ptr, heads, rows, row_ok, dims, dtype: tl.constexpr, D: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    """The given query [G_PAD, D] of query heads `heads` (flat into [B, H_q]) and their pair weights [G_PAD,
+    HALF_PAD] (rows: the heads' numbers in the layer; zero past D/2), in the dtype the keys meet them in."""
+    given = tl.load(given_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    half = tl.arange(0, HALF_PAD)[None, :]
+    weight = tl.load(weight_ptr + rows[:, None] * (D // 2) + half, mask=row_ok[:, None] & (half < D // 2), other=0.0)
+    return given.to(dtype), weight.to(dtype)
 
 
 @triton.jit
@@ -700,7 +709,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, per_head:
         SCALE=1 / math.sqrt(D), SPLIT=split, SELECT=select, HAS_LIMIT=limit is not None,
         FP8_KV=fp8, FP16_PRODUCTS=fp8 and q.dtype in (torch.bfloat16, torch.float16), GIVEN=given,
         HALF_PAD=max(16, D // 2),
-        **(FP8_ATTEND_LAUNCH if fp8 else ATTEND_LAUNCH[select]))
+        **(FP8_ATTEND_LAUNCH if fp8 else GIVEN_ATTEND_LAUNCH if given else ATTEND_LAUNCH[select]))
 
     if split or select:
         CHUNK = GIVEN_CHUNK if given else _chunk_size(B, S, q.device)

@@ -6,6 +6,7 @@
 #                                      # rounds), every rule the kernel scores (each tree's own list)
 #     bash tests/gpu_rules.sh graph    # the graph-replayed step against eager, never recompiling (GRAPHED)
 #     bash tests/gpu_rules.sh step     # bench.py step of every rule (POLICIES; BATCHES, default "1 64")
+#     bash tests/gpu_rules.sh given    # the kernel scoring by a given query (TriAttention), its launch swept
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 set -u
@@ -36,6 +37,10 @@ for part in "$@"; do
         --json $OUT/step_$policy.json >> $log 2>&1
       echo "step $policy rc=$?" >> $log
     done ;;
+  given)
+    timeout ${SWEEP_S:-240} python tests/gpu_given_sweep.py --batch ${BATCHES:-1 64} --json $OUT/given_sweep.json \
+      >> $log 2>&1
+    echo "given sweep rc=$?" >> $log ;;
   esac
 done
 date -u >> $log
