@@ -40,6 +40,7 @@ CONFIGS = {
     "bf16, longflow, split": (True, True, True, False, False, False, False),
     "bf16, full cache (limit, split)": (True, False, False, True, False, False, False),
     "fp8, longflow": (False, True, True, False, True, True, False),
+    "bf16, triattention (select, a given query)": (False, True, False, False, False, False, True),
 }
 
 
@@ -97,7 +98,8 @@ def specialised(fn, kernel: dict) -> tuple[dict, dict, dict]:
 def instructions(module, flags) -> list[str]:
     """The PTX of one configuration, without the debug sections, line records, comments and labels."""
     fn, kernel = module._attend_kernel, dict(zip(FLAGS, flags))
-    launch = module.FP8_ATTEND_LAUNCH if kernel["FP8_KV"] else module.ATTEND_LAUNCH[kernel["SELECT"]]
+    launch = module.FP8_ATTEND_LAUNCH if kernel["FP8_KV"] else getattr(module, "GIVEN_ATTEND_LAUNCH", None) \
+        if kernel["GIVEN"] else module.ATTEND_LAUNCH[kernel["SELECT"]]
     signature, constants, attrs = specialised(fn, kernel)
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=launch)

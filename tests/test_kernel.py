@@ -497,6 +497,10 @@ FRONTEND = textwrap.dedent("""
                     pair_weight=torch.zeros(8, 32))]:
         for kernel._split_count in (split_count, lambda *_: 1):
             kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), pos.int(), **kw)
+    # head_dim 16 (the tests' tiny models) by a given query: pairs of 8, padded to the 16 a product takes
+    kernel.decode_attention(q[..., :16].bfloat16(), k[..., :16].bfloat16(), v[..., :16].bfloat16(), pos.int(),
+                            per_head=True, scoring=kernel.Scoring(query="given"), given_query=q[..., :16],
+                            pair_weight=torch.zeros(8, 8))
 """)
 
 
@@ -505,7 +509,7 @@ def test_kernels_pass_the_triton_frontend_with_torch_compile_argument_types():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.abspath(kernel.__file__)))
     run = subprocess.run([sys.executable, "-c", FRONTEND], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split().count("_attend_kernel") == 16 and run.stdout.split().count("_finish_kernel") == 15
+    assert run.stdout.split().count("_attend_kernel") == 17 and run.stdout.split().count("_finish_kernel") == 16
 
 
 @pytest.mark.skipif(CUDA, reason="where CUDA is, the kernels can launch")
