@@ -429,18 +429,23 @@ def test_a_given_query_is_for_its_scoring_alone_and_decides_per_head(fn):
 
 
 @gpu_only
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
 @pytest.mark.parametrize("B, S", [(1, 3200), (64, 1000)])  # Qwen3-8B heads
-def test_bf16_given_query_scores_within_tolerance(B, S):
-    """bf16 keys meet the given query in bf16, as the logits do: near-tied z-scores may swap, so the chosen
-    slot's fp32 z-score is the lowest to within 0.05 (z is in standard deviations)."""
+def test_bf16_given_query_scores_within_tolerance(B, S, fp8):
+    """bf16 keys meet the given query in bf16 (an FP8 cache's in fp16), as the logits do: near-tied z-scores may
+    swap, so the chosen slot's fp32 z-score is the lowest to within 0.05 (z is in standard deviations)."""
     q, k, v, pos = make_inputs(B, 32, 8, S, 128, dtype=torch.bfloat16)
     given_query, pair_weight = given_inputs(B, 32, 128)
     options = dict(per_head=True, window=64, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight)
+    if fp8:
+        (k, ks), (v, vs) = kernel.quantize(k), kernel.quantize(v)
+        options |= dict(k_scale=ks, v_scale=vs)
     out, evict = kernel.decode_attention(q, k, v, pos, **options)
     want_out, _ = kernel.decode_attention_ref(q, k, v, pos, **options)
     torch.testing.assert_close(out, want_out, atol=2e-2, rtol=2e-2)
     protected = kernel.protected_mask(pos, 0, 64)
-    z = kernel.given_score(k, pos, given_query, pair_weight, protected).masked_fill(protected, math.inf)
+    keys = kernel.dequantize(k, ks) if fp8 else k  # the values the cache holds
+    z = kernel.given_score(keys, pos, given_query, pair_weight, protected).masked_fill(protected, math.inf)
     assert not protected.gather(-1, evict[..., None]).any()
     assert (z.gather(-1, evict[..., None])[..., 0] <= z.amin(-1) + 0.05).all()
 
