@@ -44,6 +44,14 @@ def sets(B: int, S: int = 3200):
     return made, kv_bytes
 
 
+def against(baseline, out, slot) -> tuple[dict, tuple]:
+    """Whether a launch's output and evicted slot are the first launch's (the baseline, None before it): the
+    comparison, and the baseline."""
+    baseline = baseline or (out.float(), slot)
+    return dict(same_slot=bool(torch.equal(slot, baseline[1])),
+                out_diff=(out.float() - baseline[0]).abs().max().item()), baseline
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
@@ -63,14 +71,10 @@ def main():
             launch(**cfg)
             if cfg["chunk"] is None:
                 kernel._chunk_size = default_chunk
-            out, slot = call(inputs[0])
-            baseline = baseline or (out.float(), slot)
+            agreement, baseline = against(baseline, *call(inputs[0]))
             t = graph_time_in_turn([lambda s=s: call(s) for s in inputs])
-            row = dict(batch=B, **cfg, us=t * 1e6, floor=kv_bytes / t / bandwidth,
-                       same_slot=bool(torch.equal(slot, baseline[1])),
-                       out_diff=(out.float() - baseline[0]).abs().max().item())
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(dict(batch=B, **cfg, us=t * 1e6, floor=kv_bytes / t / bandwidth, **agreement))
+            print(json.dumps(rows[-1]), flush=True)
         best = min((r for r in rows if r["batch"] == B), key=lambda r: r["us"])
         print(f"batch {B}: shipped {rows[-len(grid) - 1]['us']:.1f} us, best {best['us']:.1f} us: {best}", flush=True)
     if args.json:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernel  # noqa: E402
 from bench import copy_bandwidth, graph_time_in_turn  # noqa: E402
-from gpu_attention_sweep import sets  # noqa: E402
+from gpu_attention_sweep import against, sets  # noqa: E402
 
 GIVEN = kernel.Scoring(query="given")
 SHIPPED = dict(warps=kernel.GIVEN_ATTEND_LAUNCH["num_warps"], stages=kernel.GIVEN_ATTEND_LAUNCH["num_stages"],
@@ -53,11 +53,9 @@ def main():
         for warps, stages, chunk in [tuple(SHIPPED.values())] + grid:
             kernel.GIVEN_ATTEND_LAUNCH.update(num_warps=warps, num_stages=stages)
             kernel.GIVEN_CHUNK = chunk
-            out, slot = call(inputs[0])
-            baseline = baseline or (out.float(), slot)
+            agreement, baseline = against(baseline, *call(inputs[0]))
             rows.append(timed(B, inputs, kv_bytes, bandwidth, call, rule="triattention", warps=warps, stages=stages,
-                              chunk=chunk, same_slot=bool(torch.equal(slot, baseline[1])),
-                              out_diff=(out.float() - baseline[0]).abs().max().item()))
+                              chunk=chunk, **agreement))
             print(json.dumps(rows[-1]), flush=True)
         best = min((r for r in rows if r["batch"] == B and r["rule"] == "triattention"), key=lambda r: r["us"])
         print(f"batch {B}: best {best}", flush=True)
