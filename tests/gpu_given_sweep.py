@@ -4,9 +4,10 @@ kernel took 1.25x LongFlow's on an H100, the step 1.16x). For each batch: the at
 heads (32 / 8, head_dim 128), 3,200 full slots, bf16, a window of 200, graph-replayed in turn over input sets larger
 than the L2 cache, LongFlow's shipped launch first for comparison. Each row: microseconds, the fraction of the bytes
 floor (K, V, positions and ||v||_1, as gpu_attention_sweep counts them), and whether its evicted slot and output are
-the shipped launch's. The JSON is written after each batch.
+the shipped launch's. The JSON is written after each batch. With --step B.., then `bench.py step` of LongFlow and
+TriAttention at those of the batches, TriAttention's kernel launched as that batch's fastest row (JSON beside).
 
-    python tests/gpu_given_sweep.py [--batch 1 64 256] [--json OUT]
+    python tests/gpu_given_sweep.py [--batch 1 64 256] [--json OUT] [--step 64]
 """
 import argparse
 import itertools
@@ -18,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernel  # noqa: E402
+import bench  # noqa: E402
 from bench import copy_bandwidth, graph_time_in_turn  # noqa: E402
 from gpu_attention_sweep import against, sets  # noqa: E402
 
@@ -31,10 +33,22 @@ def timed(B: int, inputs, kv_bytes: int, bandwidth: float, call, **row) -> dict:
     return dict(batch=B, **row, us=t * 1e6, floor=kv_bytes / t / bandwidth)
 
 
+def step_with(best: dict, json_path: str):
+    """bench.py step, LongFlow then TriAttention, at best's batch with best's launch of the given-query kernel."""
+    kernel.GIVEN_ATTEND_LAUNCH.update(num_warps=best["warps"], num_stages=best["stages"])
+    kernel.GIVEN_CHUNK = best["chunk"]
+    sys.argv = ["bench.py", "step", "--shape", "Qwen3-8B", "--batch", str(best["batch"]), "--policy", "longflow",
+                "triattention", "--json", json_path]
+    print(f"step with {best}", flush=True)
+    bench.main()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--json", default=None)
+    p.add_argument("--step", type=int, nargs="*", default=[], help="then the step of both rules at these batches "
+                   "(of --batch), each with its fastest launch")
     args = p.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -62,6 +76,9 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(gpu=torch.cuda.get_device_name(), bandwidth=bandwidth, rows=rows), f, indent=1)
+    for B in args.step:
+        best = min((r for r in rows if r["batch"] == B and r["rule"] == "triattention"), key=lambda r: r["us"])
+        step_with(best, (args.json or "given").replace(".json", "") + f"_step_{B}.json")
 
 
 if __name__ == "__main__":

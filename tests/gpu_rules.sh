@@ -6,7 +6,8 @@
 #                                      # rounds), every rule the kernel scores (each tree's own list)
 #     bash tests/gpu_rules.sh graph    # the graph-replayed step against eager, never recompiling (GRAPHED)
 #     bash tests/gpu_rules.sh step     # bench.py step of every rule (POLICIES; BATCHES, default "1 64")
-#     bash tests/gpu_rules.sh given    # the kernel scoring by a given query (TriAttention), its launch swept
+#     bash tests/gpu_rules.sh given    # the kernel scoring by a given query (TriAttention), its launch swept, then
+#                                      # the step at STEP_BATCHES with each one's fastest launch
 # before/ is another revision, exported next to the tree first (the GPU machine has no git):
 #     git archive REV | tar -x -C before --exclude tests --exclude data --exclude docs
 set -u
@@ -39,7 +40,7 @@ for part in "$@"; do
     done ;;
   given)
     timeout ${SWEEP_S:-240} python tests/gpu_given_sweep.py --batch ${BATCHES:-1 64} --json $OUT/given_sweep.json \
-      >> $log 2>&1
+      --step ${STEP_BATCHES:-} >> $log 2>&1
     echo "given sweep rc=$?" >> $log ;;
   esac
 done
