@@ -5,7 +5,7 @@ heads (32 / 8, head_dim 128), 3,200 full slots, bf16, a window of 200, graph-rep
 than the L2 cache, LongFlow's shipped launch first for comparison. Each row: microseconds, the fraction of the bytes
 floor (K, V, positions and ||v||_1, as gpu_attention_sweep counts them), and whether its evicted slot and output are
 the shipped launch's. The JSON is written after each batch. With --step B.., then `bench.py step` of LongFlow and
-TriAttention at those of the batches, TriAttention's kernel launched as that batch's fastest row (JSON beside).
+TriAttention after that batch's sweep, TriAttention's kernel launched as its fastest row (JSON beside).
 
     python tests/gpu_given_sweep.py [--batch 1 64 256] [--json OUT] [--step 64]
 """
@@ -47,8 +47,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--json", default=None)
-    p.add_argument("--step", type=int, nargs="*", default=[], help="then the step of both rules at these batches "
-                   "(of --batch), each with its fastest launch")
+    p.add_argument("--step", type=int, nargs="*", default=[], help="the step of both rules at these batches (of "
+                   "--batch), each after its sweep, with its fastest launch")
     args = p.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -76,9 +76,8 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(gpu=torch.cuda.get_device_name(), bandwidth=bandwidth, rows=rows), f, indent=1)
-    for B in args.step:
-        best = min((r for r in rows if r["batch"] == B and r["rule"] == "triattention"), key=lambda r: r["us"])
-        step_with(best, (args.json or "given").replace(".json", "") + f"_step_{B}.json")
+        if B in args.step:
+            step_with(best, (args.json or "given").replace(".json", "") + f"_step_{B}.json")
 
 
 if __name__ == "__main__":
