@@ -336,8 +336,7 @@ def _attend_slots(q_in, given, weight, k_ptr, v_ptr, pos_ptr, ks_ptr, vs_ptr, to
         if SELECT:  # the logits [B, H_q, S] for the score pass, stored while the block is in registers
             stored = s
             if GIVEN:
-                stored = _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D, HALF_PAD, FP8_KV,
-                                    FP16_PRODUCTS)
+                stored = _given_raw(given, weight, kb, D, HALF_PAD)
                 if FP8_KV:  # both terms scale with the key
                     stored *= k_scale[None, :]
                 stored += bias[None, :]
@@ -368,19 +367,16 @@ def _given_tiles(given_ptr, weight_ptr, heads, rows, row_ok, dims, dtype: tl.con
 
 
 @triton.jit
-def _given_raw(given, weight, kb, k_ptr, slots, in_range, sk_s, sk_d, D: tl.constexpr, HALF_PAD: tl.constexpr,
-               FP8_KV: tl.constexpr, FP16_PRODUCTS: tl.constexpr):
+def _given_raw(given, weight, kb, D: tl.constexpr, HALF_PAD: tl.constexpr):
     """given_score's raw scores of a block of keys kb [BLOCK_S, D] (as the block's logits are computed: in the
     keys' dtype, an FP8 cache's without its scales): [G_PAD, BLOCK_S] = given . k + weight . |k_f|, the pairs'
-    magnitudes from the key's two halves (loaded again: the block's lines are in L1), zero past D/2."""
-    half = tl.arange(0, HALF_PAD)[None, :]
-    at, mask = k_ptr + slots[:, None] * sk_s + half * sk_d, in_range[:, None] & (half < D // 2)
-    kr = tl.load(at, mask=mask, other=0.0)  # [BLOCK_S, HALF_PAD]
-    ki = tl.load(at + (D // 2) * sk_d, mask=mask, other=0.0)
-    if FP8_KV:  # e4m3 bits, as _from_fp8 made the block's
-        kr, ki = _from_fp8(kr, FP16_PRODUCTS), _from_fp8(ki, FP16_PRODUCTS)
+    magnitudes taken from the block in registers (pair f: dimensions f and f + D/2), zero past D/2."""
+    BLOCK_S: tl.constexpr = kb.shape[0]
+    kr, ki = tl.split(tl.permute(tl.reshape(kb, [BLOCK_S, 2, D // 2]), 0, 2, 1))  # [BLOCK_S, D/2] each
     kr, ki = kr.to(tl.float32), ki.to(tl.float32)
     magnitude = tl.sqrt(kr * kr + ki * ki).to(kb.dtype)
+    if HALF_PAD > D // 2:  # head_dim 16: zeros after the 8 pairs, for tl.dot's 16 (HALF_PAD is then D)
+        magnitude = tl.reshape(tl.permute(tl.join(magnitude, tl.zeros_like(magnitude)), 0, 2, 1), [BLOCK_S, HALF_PAD])
     return tl.dot(given, tl.trans(kb), input_precision="ieee") + \
         tl.dot(weight, tl.trans(magnitude), input_precision="ieee")
 

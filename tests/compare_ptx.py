@@ -4,7 +4,8 @@ instructions compared (debug line records and labels aside).
 
     python tests/compare_ptx.py REV        # e.g. HEAD~1; needs triton with its CUDA backend (the pip wheel)
 
-It also counts the instructions of the loop over slots in each (loop_length).
+It also counts the instructions of the loop over slots in each (loop_length), and gives each kernel's shared
+memory and registers a thread (ptxas from Triton's wheel): what decides how many programs an SM holds.
 
 What it compiles: each configuration of CONFIGS with kernel.py's launch options, at Qwen3-8B's shapes (8 KV
 heads of 4 query heads, head_dim 128) and SLOTS slots a row, from the arguments _decode_attention_op passes:
@@ -95,16 +96,33 @@ def specialised(fn, kernel: dict) -> tuple[dict, dict, dict]:
     return signature, constants, attrs
 
 
-def instructions(module, flags) -> list[str]:
-    """The PTX of one configuration, without the debug sections, line records, comments and labels."""
+def compiled(module, flags):
+    """One configuration compiled for sm_90 with its launch options (Triton's CompiledKernel)."""
     fn, kernel = module._attend_kernel, dict(zip(FLAGS, flags))
     launch = module.FP8_ATTEND_LAUNCH if kernel["FP8_KV"] else getattr(module, "GIVEN_ATTEND_LAUNCH", None) \
         if kernel["GIVEN"] else module.ATTEND_LAUNCH[kernel["SELECT"]]
     signature, constants, attrs = specialised(fn, kernel)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=launch)
-    ptx = compiled.asm["ptx"].split(".section\t.debug")[0]
+    return triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=launch)
+
+
+def instructions(kernel) -> list[str]:
+    """A compiled kernel's PTX, without the debug sections, line records, comments and labels."""
+    ptx = kernel.asm["ptx"].split(".section\t.debug")[0]
     return [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp)", line)]
+
+
+def resources(kernel) -> str:
+    """Shared memory and registers a thread, from ptxas -v (the first of Triton's that reads this PTX's version)."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
+        for ptxas in (bin_dir / "ptxas", bin_dir / "ptxas-blackwell"):
+            run = subprocess.run([ptxas, "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"], cwd=tmp,
+                                 capture_output=True, text=True) if ptxas.exists() else None
+            if run and (registers := re.search(r"Used (\d+) registers", run.stderr)):
+                return f"{kernel.metadata.shared} B shared, {registers.group(1)} registers"
+    return f"{kernel.metadata.shared} B shared"
 
 
 def loop_length(lines: list[str]) -> int:
@@ -125,13 +143,14 @@ def main(rev: str):
     old, new = kernel_module(before.stdout, "kernel_before"), kernel_module((ROOT / "kernel.py").read_text(), "kernel_now")
     same = True
     for name, flags in CONFIGS.items():
-        a, b = instructions(old, flags), instructions(new, flags)
+        ka, kb = compiled(old, flags), compiled(new, flags)
+        a, b = instructions(ka), instructions(kb)
         # lines added or removed count once, and shift nothing after them (a new argument's .param line)
         differing = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
             None, a, b, autojunk=False).get_opcodes() if tag != "equal")
         same &= differing == 0
         print(f"{name}: {len(a)} -> {len(b)} PTX lines, {'identical' if differing == 0 else f'{differing} differ'}; "
-              f"the loop over slots {loop_length(a)} -> {loop_length(b)} instructions")
+              f"the loop over slots {loop_length(a)} -> {loop_length(b)} instructions; {resources(ka)} -> {resources(kb)}")
     sys.exit(0 if same else 1)
 
 

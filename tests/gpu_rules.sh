@@ -3,7 +3,7 @@
 # $OUT/log.txt. Parts, in the order given, in one device call or several:
 #     bash tests/gpu_rules.sh tests    # the kernel's GPU tests (TESTS_K: a pytest -k filter, default all)
 #     bash tests/gpu_rules.sh kernel   # bench.py kernel of this tree and of before/ in turn (ROUNDS, default two
-#                                      # rounds), every rule the kernel scores (each tree's own list)
+#                                      # rounds), every rule the kernel scores (each tree's own list) or KERNEL_POLICIES
 #     bash tests/gpu_rules.sh graph    # the graph-replayed step against eager, never recompiling (GRAPHED)
 #     bash tests/gpu_rules.sh step     # bench.py step of every rule (POLICIES; BATCHES, default "1 64")
 #     bash tests/gpu_rules.sh given    # the kernel scoring by a given query (TriAttention), its launch swept, then
@@ -24,7 +24,7 @@ for part in "$@"; do
       for tree in after before; do
         dir=$([ $tree = before ] && echo before || echo .)
         (cd $dir && timeout ${KERNEL_S:-80} python bench.py kernel --batch 1 64 256 \
-          --json $OUT/kernel_${tree}_$round.json > /dev/null 2>> $log)
+          ${KERNEL_POLICIES:+--policy $KERNEL_POLICIES} --json $OUT/kernel_${tree}_$round.json > /dev/null 2>> $log)
         echo "kernel $tree $round rc=$?" >> $log
       done
     done ;;
