@@ -126,13 +126,19 @@ def check_state(scoring: Scoring, state, partial: bool, select: bool):
         raise ValueError("partial scores are this step's (no state) and need select")
 
 
-def check_given(scoring: Scoring, given_query, pair_weight, per_head: bool, select: bool):
-    """A given query and its pair weights exactly for a scoring by a given query, which decides per KV head."""
+def check_given(scoring: Scoring, given_query, pair_weight, per_head: bool, select: bool, q: Tensor):
+    """A given query and its pair weights exactly for a scoring by a given query, which decides per KV head, each
+    of the query's heads (the kernel reads them by pointer: a wrong shape would read other heads' rows)."""
     given = scoring.query == "given" and select
     if (given_query is not None, pair_weight is not None) != (given, given):
         raise ValueError(f"a scoring by a given query takes given_query and pair_weight, and only it: {scoring!r}")
     if select and scoring.query == "given" and not per_head:
         raise ValueError("a scoring by a given query decides per KV head (per_head=True): its z-scores are per head")
+    B, H_q, D = q.shape
+    if given_query is not None and (given_query.shape != (B, H_q, D) or pair_weight.shape != (H_q, D // 2)):
+        raise ValueError(f"a given query is [B, H_q, D] = {[B, H_q, D]} and its pair weights [H_q, D/2] = "
+                         f"{[H_q, D // 2]}, not {list(given_query.shape)} and {list(pair_weight.shape)}: give this "
+                         f"rank's heads")
 
 
 def protected_mask(pos, n_sink: int, window: int):
@@ -205,7 +211,7 @@ def decode_attention_ref(q, k, v, pos, per_head=False, n_sink=0, window=0, selec
     argmin. The arguments: the table at the top of this file (v_top is the kernel's; exact arithmetic needs
     none)."""
     check_state(scoring, state, partial, select)
-    check_given(scoring, given_query, pair_weight, per_head, select)
+    check_given(scoring, given_query, pair_weight, per_head, select, q)
     B, H_q, D = q.shape
     H_kv = k.shape[1]
     if k_scale is not None:
@@ -758,7 +764,7 @@ def decode_attention(q, k, v, pos, per_head=False, n_sink=0, window=0, select=Tr
     if partial and per_head:
         raise ValueError("the kernel's partial scores are per layer (per_head=False)")
     check_state(scoring, state, partial, select)
-    check_given(scoring, given_query, pair_weight, per_head, select)
+    check_given(scoring, given_query, pair_weight, per_head, select, q)
     out, second = torch.ops.tinyflow.decode_attention(q, k, v, pos, per_head, n_sink, window, select,
                                                       scoring.value_norm, scoring.decay, state, limit, vnorm, k_scale,
                                                       v_scale, partial, v_top, given_query, pair_weight)

@@ -414,7 +414,7 @@ def test_fp8_kernel_scores_by_a_given_query_as_the_reference():
 
 
 @BOTH
-def test_a_given_query_is_for_its_scoring_alone_and_decides_per_head(fn):
+def test_a_given_query_is_for_its_scoring_alone_decides_per_head_and_is_the_query_heads(fn):
     q, k, v, pos = make_inputs(1, 4, 2, 40, 32)
     given_query, pair_weight = given_inputs(1, 4, 32)
     with pytest.raises(ValueError, match="takes given_query and pair_weight, and only it"):
@@ -424,6 +424,10 @@ def test_a_given_query_is_for_its_scoring_alone_and_decides_per_head(fn):
             fn(q, k, v, pos, per_head=True, **stray)
     with pytest.raises(ValueError, match="decides per KV head"):
         fn(q, k, v, pos, scoring=GIVEN, given_query=given_query, pair_weight=pair_weight)
+    whole_model = torch.cat([torch.rand_like(pair_weight), pair_weight])  # [8, 16]: another rank's heads too
+    for query, weight in ((given_query, whole_model), (given_query[:, :2], pair_weight)):
+        with pytest.raises(ValueError, match=r"a given query is \[B, H_q, D\] = \[1, 4, 32\] and its pair weights"):
+            fn(q, k, v, pos, per_head=True, scoring=GIVEN, given_query=query, pair_weight=weight)
     with pytest.raises(ValueError, match="a given one takes no value norm and no update"):
         kernel.Scoring(value_norm=True, query="given")
 
