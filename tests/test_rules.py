@@ -121,7 +121,14 @@ def triattention_formula(k, v, pos, q, now, recent, layer):
     return ((raw - mean) / std).amax(2).float()
 
 
-SPECS = {
+class Specs(dict):
+    """The specs by rule name; a registered rule without one fails its test naming what to add."""
+    def __missing__(self, name):
+        pytest.fail(f"policy {name!r} has no Spec: add its line to SPECS in tests/test_rules.py (its score as its "
+                    f"paper defines it, its update and decay)")
+
+
+SPECS = Specs({
     # LongFlow: mean over every query head of alpha_i * ||v_i||_1, one decision per layer
     "longflow": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean((1, 2))[:, None]),
     "longflow-head": Spec(lambda k, v, pos, q, *_: (alpha(q, k, pos) * l1(v)).mean(2), per_head=True),
@@ -155,7 +162,7 @@ SPECS = {
                  window=int(S * 175 / 1492)),
     # TriAttention: the calibrated mean query's attention at offsets ahead, z-scored, max over the group
     "triattention": Spec(triattention_formula, per_head=True, window=4),
-}
+})
 
 
 def lazy_importance(last, mp, now):
