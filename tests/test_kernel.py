@@ -89,7 +89,7 @@ def test_kernel_matches_reference(B, H_q, H_kv, D, S, n_empty, per_head):
 @pytest.mark.parametrize("options", [dict(n_sink=4, window=8), dict(scoring=kernel.Scoring()), dict(select=False)],
                          ids=["sink_window", "tova", "no_select"])
 def test_kernel_matches_reference_with_options(options, per_head):
-    args = make_inputs(2, 8, 2, 100, 64, n_empty=3, seed=1)
+    args = make_inputs(2, 8, 2, 100, 64, n_empty=0, seed=1)  # every slot full: the scores decide
     assert_same(kernel.decode_attention(*args, per_head=per_head, **options),
                 kernel.decode_attention_ref(*args, per_head=per_head, **options))
 
